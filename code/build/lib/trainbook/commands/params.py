@@ -1,0 +1,27 @@
+"""trainbook params: exact parameter counts of a model, by component."""
+
+import json
+
+from .. import configs
+from ..report import table
+
+HELP = "parameter counts by component for a preset or a Hugging Face config.json"
+
+
+def add_arguments(p):
+    p.add_argument("--model", required=True,
+                   help=f"preset ({', '.join(configs.PRESETS)}) or path to a config.json")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args) -> int:
+    cfg = configs.resolve(args.model)
+    counts = configs.param_counts(cfg)
+    if args.json:
+        print(json.dumps({"model": cfg.name, "config": cfg.to_dict(), "params": counts}, indent=2))
+        return 0
+    total = counts["total"]
+    rows = [{"component": k, "parameters": v, "share": f"{v / total:.1%}"} for k, v in counts.items()]
+    print(f"{cfg.name} ({cfg.flavour} flavour, {cfg.n_layers} layers, d_model {cfg.d_model})")
+    print(table(rows))
+    return 0

@@ -1,0 +1,195 @@
+"""The reference decoder-only transformer, built from a `ModelConfig`.
+
+One readable file in the spirit of nanoGPT. The "gpt2" flavour is GPT-2 (LayerNorm, learned
+positions, GELU, biases, tied embeddings); the "llama" flavour is Llama/Mistral/Mixtral/Qwen2
+(RMSNorm, RoPE, SwiGLU, grouped-query attention, optional mixture of experts). Attention goes
+through `F.scaled_dot_product_attention`, so it runs the fused kernels on GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .configs import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 (Zhang and Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None):
+    """cos and sin of shape (seq_len, head_dim // 2) for rotary embeddings (Su et al. 2021)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (first half, second half) of x: (batch, heads, seq, head_dim), as HF Llama."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, kv, hd, d = cfg.n_heads, cfg.kv_heads, cfg.dim_head, cfg.d_model
+        gpt2 = cfg.flavour == "gpt2"
+        self.q = nn.Linear(d, h * hd, bias=gpt2 or cfg.qkv_bias)
+        self.k = nn.Linear(d, kv * hd, bias=gpt2 or cfg.qkv_bias)
+        self.v = nn.Linear(d, kv * hd, bias=gpt2 or cfg.qkv_bias)
+        self.o = nn.Linear(h * hd, d, bias=gpt2)
+
+    def forward(self, x, rope=None):
+        B, T, _ = x.shape
+        h, kv, hd = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.dim_head
+        q = self.q(x).view(B, T, h, hd).transpose(1, 2)
+        k = self.k(x).view(B, T, kv, hd).transpose(1, 2)
+        v = self.v(x).view(B, T, kv, hd).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv != h:  # grouped-query attention: each kv head serves h // kv query heads
+            k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, h * hd))
+
+
+class MLP(nn.Module):
+    """GELU MLP (gpt2) or SwiGLU MLP (llama, Shazeer 2020)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, ff = cfg.d_model, cfg.ffn_dim
+        self.swiglu = cfg.flavour == "llama"
+        if self.swiglu:
+            self.gate = nn.Linear(d, ff, bias=False)
+            self.up = nn.Linear(d, ff, bias=False)
+            self.down = nn.Linear(ff, d, bias=False)
+        else:
+            self.up = nn.Linear(d, ff)
+            self.down = nn.Linear(ff, d)
+
+    def forward(self, x):
+        if self.swiglu:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class MoE(nn.Module):
+    """Top-k routed mixture of SwiGLU experts (Mixtral): softmax over the chosen k logits."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_experts))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, chosen = self.router(x).topk(self.top_k, dim=-1)
+        weights = weights.softmax(dim=-1).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel():
+                out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out.reshape(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        norm = (lambda: nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)) if cfg.flavour == "gpt2" \
+            else (lambda: RMSNorm(cfg.d_model, cfg.norm_eps))
+        self.attn_norm, self.attn = norm(), Attention(cfg)
+        self.mlp_norm, self.mlp = norm(), (MoE(cfg) if cfg.is_moe else MLP(cfg))
+
+    def forward(self, x, rope=None):
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model. forward(idx, targets) -> (logits, mean cross-entropy or None)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.flavour == "gpt2" else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.flavour == "gpt2" \
+            else RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tied:
+            self.head.weight = self.embed.weight
+        if cfg.flavour == "llama":
+            cos, sin = rope_tables(cfg.max_seq_len, cfg.dim_head, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """GPT-2 init: N(0, 0.02), output projections scaled by 1/sqrt(2 * n_layers), zero biases."""
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0 if name.endswith("weight") else 0.0)  # norm weights / biases
+            else:
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o.weight", "down.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        x = self.embed(idx)
+        rope = None
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(T, device=idx.device))
+        else:
+            rope = (self.rope_cos, self.rope_sin)
+        for block in self.blocks:
+            x = block(x, rope)
+        logits = self.head(self.norm(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None):
+        """Sample continuations of idx (batch, time); no KV cache: simple, fine for small models."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.cfg.max_seq_len:])
+            logits = logits[:, -1, :].float() / temperature
+            if top_k is not None:
+                kth = logits.topk(min(top_k, logits.size(-1))).values[:, -1, None]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Unique parameters (a tied matrix counts once)."""
+    return sum(p.numel() for p in model.parameters())

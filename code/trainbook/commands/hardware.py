@@ -1,0 +1,30 @@
+"""trainbook hardware: the accelerator spec table (and this machine's measured CPU peak)."""
+
+import json
+
+from .. import hardware
+from ..report import table
+
+HELP = "the accelerator spec table: dense peak TFLOPS per dtype, memory, bandwidth, sources"
+
+
+def add_arguments(p):
+    p.add_argument("--measure-cpu", action="store_true",
+                   help="also measure this CPU's fp32/bf16 matmul peak (takes about a second)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args) -> int:
+    rows = hardware.table()
+    if args.measure_cpu:
+        cpu = hardware.cpu_spec()
+        rows.append({"name": "cpu (this machine)", "vendor": "measured",
+                     **{f"{d} TFLOPS": cpu.tflops[d] for d in hardware.DTYPES}, "source": cpu.source})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(table(rows, [c for c in rows[0] if c != "source"]))
+    print("\nDense peaks (vendor sheets often print 2:4-sparse numbers, 2x these). Sources:")
+    for r in rows:
+        print(f"  {r['name']}: {r['source']}")
+    return 0

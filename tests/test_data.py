@@ -1,0 +1,108 @@
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from trainbook import data
+
+
+def test_corpus_is_shipped_and_checked():
+    text = data.load_corpus()
+    assert len(text.encode("utf-8")) == 1_115_394
+    assert text.startswith("First Citizen:")
+    with pytest.raises(ValueError, match="unknown corpus 'wiki'"):
+        data.load_corpus("wiki")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(max_size=200))
+def test_byte_tokenizer_round_trips(text):
+    tok = data.ByteTokenizer()
+    ids = tok.encode(text)
+    assert all(0 <= i < 256 for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_bpe_trains_round_trips_and_compresses(cache_dir, tmp_path):
+    tok = data.make_tokenizer("bpe", 512, cache_dir=cache_dir)
+    assert tok.vocab_size == 512
+    sample = data.load_corpus()[:5000]
+    ids = tok.encode(sample)
+    assert tok.decode(ids) == sample
+    assert len(ids) < len(sample.encode()) / 1.5  # merges compress English text
+    again = data.make_tokenizer("bpe", 512, cache_dir=cache_dir)  # from the cache file
+    assert again.encode(sample) == ids
+    tok.save(tmp_path / "t.json")
+    assert data.BPETokenizer.from_file(tmp_path / "t.json").encode(sample) == ids
+
+
+def test_tokenizer_errors():
+    with pytest.raises(ValueError, match="unknown tokenizer 'sentencepiece'"):
+        data.make_tokenizer("sentencepiece")
+    with pytest.raises(ValueError, match="vocab_size must be in"):
+        data.BPETokenizer.train("abc", 100)
+
+
+def test_pack_shifts_targets_by_one_and_covers_every_token_once():
+    tokens = torch.arange(23)
+    blocks = data.pack(tokens, 5)
+    assert blocks.shape == (4, 6)
+    x, y = blocks[:, :-1], blocks[:, 1:]
+    torch.testing.assert_close(y, x + 1)
+    assert y.flatten().tolist() == list(range(1, 21))  # each token is a target exactly once
+    with pytest.raises(ValueError, match="too few"):
+        data.pack(torch.arange(3), 5)
+    with pytest.raises(ValueError, match="seq_len must be >= 1"):
+        data.pack(tokens, 0)
+
+
+def test_dataset_split():
+    ds = data.build_dataset(data.ByteTokenizer(), 64)
+    assert ds.train.shape[1] == 65 and ds.val.shape[1] == 65
+    assert 8 < len(ds.train) / len(ds.val) < 10  # 90/10 split of the text
+
+
+def blocks(n=40, t=4):
+    return torch.arange(n * (t + 1)).view(n, t + 1)
+
+
+def test_loader_is_deterministic_and_epochs_differ():
+    a = data.ShardedLoader(blocks(), 4, seed=1)
+    b = data.ShardedLoader(blocks(), 4, seed=1)
+    first = [a.next_batch()[0] for _ in range(10)]
+    for x in first:
+        torch.testing.assert_close(x, b.next_batch()[0])
+    assert a.epoch == 0 and a.steps_per_epoch == 10
+    nxt = a.next_batch()[0]
+    assert a.epoch == 1
+    seen = torch.cat([x[:, 0] for x in first]).sort().values
+    assert torch.equal(seen, blocks()[:, 0])  # one epoch visits every block once
+    assert not torch.equal(nxt, first[0])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shards_union_is_the_single_process_batch(world):
+    single = data.ShardedLoader(blocks(), 2 * world, seed=3)
+    ranks = [data.ShardedLoader(blocks(), 2, r, world, seed=3) for r in range(world)]
+    for _ in range(7):
+        full = single.next_batch()[0]
+        torch.testing.assert_close(torch.cat([r.next_batch()[0] for r in ranks]), full)
+
+
+def test_loader_resumes_exactly():
+    a = data.ShardedLoader(blocks(), 4, seed=2)
+    for _ in range(13):
+        a.next_batch()
+    b = data.ShardedLoader(blocks(), 4, seed=2)
+    b.load_state_dict(a.state_dict())
+    for _ in range(12):
+        torch.testing.assert_close(a.next_batch()[1], b.next_batch()[1])
+
+
+def test_loader_errors():
+    with pytest.raises(ValueError, match="rank 2 is outside world size 2"):
+        data.ShardedLoader(blocks(), 2, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="needs more than the 40 blocks"):
+        data.ShardedLoader(blocks(), 32, world_size=2)
+    a = data.ShardedLoader(blocks(), 4, seed=2)
+    with pytest.raises(ValueError, match="saved with batch_size=4"):
+        data.ShardedLoader(blocks(), 2, seed=2).load_state_dict(a.state_dict())

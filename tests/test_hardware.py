@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from trainbook import hardware
+
+
+def test_every_row_has_every_dtype_and_a_source():
+    for a in hardware.SPECS.values():
+        assert set(a.tflops) == set(hardware.DTYPES)
+        assert a.source and a.memory_gib > 0 and a.hbm_gbps > 0 and a.interconnect_gbps > 0
+        assert not a.measured
+
+
+def test_required_accelerators_present():
+    for name in ["v100-sxm2-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x"]:
+        assert name in hardware.SPECS
+
+
+def test_peaks_are_dense_and_ordered():
+    h100 = hardware.get("h100-sxm")
+    assert h100.peak_flops("bf16") == pytest.approx(989.4e12)
+    assert h100.peak_flops("torch.bfloat16") == h100.peak_flops("bf16")
+    for a in hardware.SPECS.values():  # lower precision is never slower on the same chip
+        t = [a.tflops[d] for d in ("fp32", "tf32", "bf16", "fp8") if a.tflops[d] is not None]
+        assert t == sorted(t)
+    # A100 dense bf16 is 312 TFLOPS (624 is the 2:4-sparse number).
+    assert hardware.get("a100-80gb").tflops["bf16"] == 312.0
+
+
+def test_missing_dtype_and_unknown_names_are_clear():
+    with pytest.raises(ValueError, match="has no bf16 peak"):
+        hardware.get("v100-sxm2-32gb").peak_flops("bf16")
+    with pytest.raises(ValueError, match="unknown accelerator 'h1000'"):
+        hardware.get("h1000")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        hardware.normalize_dtype("int3")
+
+
+@pytest.mark.parametrize("device_name, key", [
+    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("Tesla V100-SXM2-32GB", "v100-sxm2-32gb"),
+    ("AMD Instinct MI300X", "mi300x"), ("NVIDIA B200", "b200"), ("Tesla T4", "t4"),
+    ("NVIDIA L4", "l4"), ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+])
+def test_device_names_match(device_name, key):
+    assert hardware.match_device_name(device_name).name == key
+
+
+@pytest.mark.parametrize("device_name", ["NVIDIA GeForce GT 710", "NVIDIA L40S", "NVIDIA H20"])
+def test_unknown_gpu_names_match_nothing(device_name):
+    assert hardware.match_device_name(device_name) is None
+
+
+def test_cpu_peak_is_measured():
+    cpu = hardware.detect("cpu")
+    assert cpu.measured and "measured" in cpu.source
+    assert 1e-4 < cpu.tflops["fp32"] < 100  # TFLOPS: a real CPU, not a typo
+    assert hardware.detect("cpu") is cpu  # cached per process
+
+
+def test_measure_rejects_tiny_sizes():
+    with pytest.raises(ValueError, match="too small"):
+        hardware.measure_matmul_tflops(torch.float32, size=4)
+
+
+def test_table_rows():
+    rows = hardware.table()
+    assert len(rows) == len(hardware.SPECS)
+    assert {"name", "bf16 TFLOPS", "memory GiB", "HBM GB/s", "source"} <= set(rows[0])
+
+
+def test_ridge_point():
+    h100 = hardware.get("h100-sxm")
+    assert h100.ridge_point("bf16") == pytest.approx(989.4e12 / 3350e9)
+    with pytest.raises(ValueError, match="no memory bandwidth"):
+        hardware.cpu_spec().ridge_point("fp32")

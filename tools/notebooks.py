@@ -1,0 +1,83 @@
+"""Repository tooling for notebooks: the standard first cell, stamped from _config.yml.
+
+    python tools/notebooks.py stamp   # rewrite every notebook's first cell from _config.yml
+    python tools/notebooks.py check   # exit 1 if a notebook lacks it or carries outputs
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = "# trainbook standard first cell"
+
+
+def repository(config: Path = ROOT / "_config.yml") -> tuple[str, str]:
+    """(url, branch) from _config.yml's repository section (read without a YAML dependency)."""
+    text = config.read_text()
+    section = text.split("\nrepository:", 1)[1]
+    url = re.search(r"^\s+url:\s*(\S+)", section, re.M).group(1)
+    branch = re.search(r"^\s+branch:\s*(\S+)", section, re.M).group(1)
+    return url, branch
+
+
+def first_cell_source() -> str:
+    url, branch = repository()
+    return (
+        f"{MARKER}: in Colab, install trainbook from the repository and branch the book was\n"
+        "# built from (_config.yml); elsewhere use the installed package. Then seed, pick the size.\n"
+        "import sys\n"
+        "if \"google.colab\" in sys.modules:\n"
+        f"    %pip install -q \"trainbook[notebook] @ git+{url}@{branch}#subdirectory=code\"\n"
+        "from trainbook import nb\n"
+        "ctx = nb.setup()"
+    )
+
+
+def notebooks() -> list[Path]:
+    return sorted(p for p in (ROOT / "book").rglob("*.ipynb")
+                  if ".ipynb_checkpoints" not in p.parts and "_build" not in p.parts)
+
+
+def problems(path: Path) -> list[str]:
+    nb = json.loads(path.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    found = []
+    if not code or "".join(code[0]["source"]) != first_cell_source():
+        found.append("the first code cell is not the standard first cell (run: python tools/notebooks.py stamp)")
+    if any(c.get("outputs") or c.get("execution_count") for c in code):
+        found.append("cells carry outputs or execution counts (clear them before committing)")
+    return found
+
+
+def stamp(path: Path) -> None:
+    nb = json.loads(path.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    src = first_cell_source().splitlines(keepends=True)
+    if code and "".join(code[0]["source"]).startswith(MARKER):
+        code[0]["source"] = src
+    else:  # insert it before the first code cell (a title cell may stay above it)
+        cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+        at = nb["cells"].index(code[0]) if code else len(nb["cells"])
+        nb["cells"].insert(at, cell)
+    for c in code:
+        c["outputs"], c["execution_count"] = [], None
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    command = sys.argv[1] if len(sys.argv) > 1 else "check"
+    if command == "stamp":
+        for p in notebooks():
+            stamp(p)
+    elif command == "check":
+        bad = {p: problems(p) for p in notebooks()}
+        for p, msgs in bad.items():
+            for m in msgs:
+                print(f"{p.relative_to(ROOT)}: {m}")
+        sys.exit(1 if any(bad.values()) else 0)
+    else:
+        sys.exit(f"unknown command {command!r}; use stamp or check")
