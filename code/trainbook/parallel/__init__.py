@@ -1,0 +1,1 @@
+"""Parallelism (Part 5 of the book): launching, and one module per technique."""

@@ -1,0 +1,109 @@
+"""Run a function on N processes in a fresh process group, with a timeout, from a notebook or test.
+
+`run(fn, nprocs)` spawns N processes, joins them into one torch.distributed group (gloo on CPU,
+nccl on GPUs), calls fn(*args) on every rank and returns each rank's return value and printed
+output in rank order. If a rank raises, the error names the rank and carries its traceback; if
+the job runs past `timeout_s` (a mismatched collective, a deadlock), every process is killed and
+a TimeoutError says so. No chapter or test can hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any
+    stdout: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, backend, timeout_s, fn, args, kwargs, results):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    out = io.StringIO()
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        with contextlib.redirect_stdout(out):
+            value = fn(*args, **kwargs)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, "ok", value, out.getvalue()))
+    except BaseException:  # report every failure to the parent, with its rank
+        results.put((rank, "error", traceback.format_exc(), out.getvalue()))
+
+
+def run(fn: Callable, nprocs: int = 2, args: tuple = (), kwargs: dict | None = None,
+        timeout_s: float = 120, backend: str | None = None) -> list[RankResult]:
+    """fn(*args, **kwargs) on `nprocs` ranks; results in rank order. fn must be importable
+    (a module-level function of a package), since each rank is a fresh spawned process."""
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
+        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} is defined in a notebook or a function; "
+                         "spawned ranks can only import module-level functions from a package")
+    backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(r, nprocs, port, backend, timeout_s, fn, args, kwargs or {}, results))
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    collected: dict[int, tuple] = {}
+    deadline = timeout_s + 30  # collectives time out first; the margin covers start-up
+    end = time.monotonic() + deadline
+    try:
+        while len(collected) < nprocs:
+            try:
+                rank, status, value, stdout = results.get(timeout=max(0.1, min(1.0, end - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > end:
+                    raise TimeoutError(f"{fn.__qualname__} on {nprocs} ranks did not finish in "
+                                       f"{deadline:.0f} s; ranks {sorted(set(range(nprocs)) - set(collected))} "
+                                       "never reported (a hang or a mismatched collective?)") from None
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in collected]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
+                                       "before reporting (out of memory? killed?)")
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}\n--- rank {rank} output ---\n{stdout}")
+            collected[rank] = (value, stdout)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [RankResult(r, *collected[r]) for r in range(nprocs)]

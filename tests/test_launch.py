@@ -1,0 +1,35 @@
+import time
+
+import pytest
+
+import dist_fns
+from trainbook.parallel import launch
+
+
+def test_results_and_output_in_rank_order():
+    out = launch.run(dist_fns.rank_sum, nprocs=2, timeout_s=60)
+    assert [r.rank for r in out] == [0, 1]
+    assert [r.value for r in out] == [3.0, 3.0]
+    assert out[1].stdout == "rank 1 of 2\n"
+
+
+def test_a_failing_rank_is_named_with_its_traceback():
+    with pytest.raises(RuntimeError, match="rank 1 failed") as e:
+        launch.run(dist_fns.fail_on_rank_one, nprocs=2, timeout_s=60)
+    assert "boom on purpose" in str(e.value)
+
+
+def test_a_hang_times_out_instead_of_hanging():
+    t0 = time.monotonic()
+    with pytest.raises((TimeoutError, RuntimeError)):
+        launch.run(dist_fns.hang_on_rank_one, nprocs=2, timeout_s=3)
+    assert time.monotonic() - t0 < 45
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="nprocs must be >= 1"):
+        launch.run(dist_fns.rank_sum, nprocs=0)
+    with pytest.raises(ValueError, match="module-level functions"):
+        launch.run(lambda: 1, nprocs=2)
+    with pytest.raises(ValueError, match="backend must be gloo or nccl"):
+        launch.run(dist_fns.rank_sum, nprocs=2, backend="mpi")
