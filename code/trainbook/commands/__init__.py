@@ -1,5 +1,17 @@
-"""Command-line commands: each module has add_arguments(parser) and run(args) -> int."""
+"""Command-line commands. Each module here is one command, named after the module, and has
+HELP (one line), add_arguments(parser) and run(args) -> exit status. Adding a command is adding
+a module; `python -m trainbook --help` lists them all."""
 
-from . import hardware, params, train
+import importlib
+import pkgutil
 
-COMMANDS = {"params": params, "hardware": hardware, "train": train}
+ORDER = ("params", "hardware", "train")  # listed first, in this order; the rest alphabetically
+
+
+def _discover() -> dict:
+    names = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+    names.sort(key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
+    return {n: importlib.import_module(f"{__name__}.{n}") for n in names}
+
+
+COMMANDS = _discover()
