@@ -342,7 +342,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.ckpt_dir and not cfg.ckpt_every:
         checkpoint(done)
     val = evaluate(model, data.val, cfg.batch_size, cfg.eval_batches, device, autocast)
-    log(f"done: {done} steps, validation loss {val:.4f}")
+    if cfg.log_every:
+        log(f"done: {done} steps, validation loss {val:.4f}")
     return TrainResult(history, model, tokenizer, mcfg, cfg, flops_per_token, peak, spec.source, val,
                        ddp.world_size)
 

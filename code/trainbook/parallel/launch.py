@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import io
 import os
+import pickle
 import queue
 import socket
 import time
@@ -53,7 +54,8 @@ def _worker(rank, world_size, port, backend, timeout_s, fn, args, kwargs, result
             value = fn(*args, **kwargs)
         dist.barrier()
         dist.destroy_process_group()
-        results.put((rank, "ok", value, out.getvalue()))
+        # plain pickle: tensors travel as bytes, not as shared-memory handles that die with the rank
+        results.put((rank, "ok", pickle.dumps(value), out.getvalue()))
     except BaseException:  # report every failure to the parent, with its rank
         results.put((rank, "error", traceback.format_exc(), out.getvalue()))
 
@@ -99,7 +101,7 @@ def run(fn: Callable, nprocs: int = 2, args: tuple = (), kwargs: dict | None = N
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}\n--- rank {rank} output ---\n{stdout}")
-            collected[rank] = (value, stdout)
+            collected[rank] = (pickle.loads(value), stdout)
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -1,0 +1,108 @@
+"""trainbook mamf: the maximum achievable matmul FLOPS (MAMF) finder.
+
+Sweeps (m, n, k) matmul shapes in one dtype, times each with a cache flush before every repeat,
+and reports mean, median and max TFLOPS per shape and the best shape. Runs on CPU, CUDA and ROCm.
+Results go to a JSON-lines file as they are measured; Ctrl-C prints the summary of what was
+measured so far and exits with status 130. Example: python -m trainbook mamf --dtype bf16
+--m-range 1024 20480 1024 --n 4096 --k 4096 --output mamf.jsonl
+"""
+
+import json
+import shlex
+
+from ..bench import matmul
+from ..report import table
+
+HELP = "maximum achievable matmul FLOPS: sweep matmul shapes, report the best TFLOPS and shape"
+
+
+def add_arguments(p):
+    for dim in ("m", "n", "k"):
+        g = p.add_mutually_exclusive_group()
+        g.add_argument(f"--{dim}", type=int, nargs="+", metavar=dim.upper(),
+                       help=f"fixed value(s) of {dim} (several allowed)")
+        g.add_argument(f"--{dim}-range", type=int, nargs=3, metavar=("START", "STOP", "STEP"),
+                       help=f"{dim} from START to STOP inclusive, every STEP")
+    p.add_argument("--dtype", default="bf16",
+                   help="fp32, tf32 (GPU), bf16, fp16 or fp8 (GPU, compute capability >= 8.9); "
+                        "default bf16")
+    p.add_argument("--device", default="auto", help="auto (GPU if visible), cpu, cuda or cuda:N; "
+                                                    "ROCm GPUs are cuda")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed matmuls per shape (default 50 on GPU, 10 on CPU; 3 with --quick)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed matmuls per shape first (default 10 on GPU, 2 on CPU; 1 quick)")
+    p.add_argument("--flush-mib", type=float, default=None,
+                   help="cache-flush buffer written before every timed matmul, MiB (default: "
+                        "256 on GPU, 2x the last-level cache capped at 256 on CPU; 32 quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer repeats and a small flush: a first look in seconds")
+    p.add_argument("--output", metavar="FILE",
+                   help="append results as JSON lines (metadata line, then one line per shape)")
+    p.add_argument("--top", type=int, default=10, help="shapes listed in the summary table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary and all rows as JSON")
+
+
+def _values(args, dim):
+    r = getattr(args, f"{dim}_range")
+    if r is not None:
+        return matmul.parse_range(*r, name=dim)
+    fixed = getattr(args, dim)
+    if fixed is None:
+        raise ValueError(f"give --{dim} VALUE[S] or --{dim}-range START STOP STEP")
+    if any(v < 1 for v in fixed):
+        raise ValueError(f"--{dim} values must be >= 1, got {min(fixed)}")
+    return fixed
+
+
+def _command_line(args) -> str:
+    """The command as given (rebuilt from the parsed options), for the results file."""
+    parts = ["python", "-m", "trainbook", "mamf"]
+    for key, value in vars(args).items():
+        if key == "command" or value in (None, False):
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        else:
+            parts += [flag, *map(str, value if isinstance(value, list) else [value])]
+    return shlex.join(parts)
+
+
+def run(args) -> int:
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1, got {args.top}")
+    shapes = matmul.make_shapes(*(_values(args, d) for d in "mnk"))
+    device = matmul.resolve_device(args.device)
+    gpu = device.type == "cuda"
+    repeats = args.repeats if args.repeats is not None else (3 if args.quick else 50 if gpu else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10 if gpu else 2)
+    if args.flush_mib is not None and args.flush_mib < 0:
+        raise ValueError(f"--flush-mib must be >= 0, got {args.flush_mib}")
+    flush = (int(args.flush_mib * 2**20) if args.flush_mib is not None
+             else matmul.default_flush_bytes(device, small=args.quick))
+    command = _command_line(args)
+    result = matmul.sweep(shapes, args.dtype, str(device), repeats, warmup, flush, args.output,
+                          progress=not (args.no_progress or args.json), command=command)
+    summary = result.summary()
+    if args.json:
+        print(json.dumps({"summary": summary, "rows": result.rows()}, indent=2))
+        return 130 if result.interrupted else 0
+    if result.interrupted:
+        print(f"interrupted: {summary['measured']} of {summary['planned']} shapes measured")
+    if not result.results:
+        print("nothing measured")
+        return 130
+    rows = sorted(result.rows(), key=lambda r: -r["max_tflops"])[:args.top]
+    cols = ["m", "n", "k", "mean_tflops", "median_tflops", "max_tflops", "median_ms"]
+    print(f"{summary['device_name']}, {summary['dtype']}: {summary['measured']} shapes, "
+          f"{repeats} repeats each, {flush / 2**20:g} MiB cache flush")
+    print(table(rows, cols))
+    print("best:")
+    for stat in ("mean", "median", "max"):
+        b = summary[f"best_{stat}"]
+        print(f"  {stat:>6}: {b['tflops']:.4g} TFLOPS {summary['dtype']} @ {b['shape']} (MxNxK)")
+    if args.output:
+        print(f"results appended to {args.output}")
+    return 130 if result.interrupted else 0

@@ -1,0 +1,105 @@
+"""Measure the peak tensor memory of one real training step of the reference model.
+
+`torch.distributed._tools.mem_tracker.MemTracker` sees every tensor created through the
+dispatcher and files it under parameters, buffers, gradients, activations, temporaries (made in
+backward) or optimizer state; it works on CPU, where process RSS says nothing useful about
+tensors. The step is the reference trainer's: forward with the logits kept by the caller,
+backward, gradient clipping, AdamW, `zero_grad(set_to_none=True)`. One step runs before the
+tracked one, so the optimizer state exists: the tracked step is a steady-state step.
+
+`measure_step` runs in this process; `measure_fsdp_rank` runs on every rank under
+`trainbook.parallel.launch.run` with the model wrapped by FSDP2 `fully_shard` (each block, then
+the root), and returns that rank's peak.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..configs import ModelConfig
+from ..model import Transformer
+
+CATEGORIES = {"Parameter": "weights", "Buffer": "buffers", "Gradient": "grads",
+              "Activation": "activations", "Temp": "temporaries", "Optstate": "optimizer"}
+
+
+def _step(model, optimizer, x, y) -> None:
+    logits, loss = model(x, y)  # logits stay alive until the step ends, as in train.train
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    del logits
+
+
+def _tracked_peak(model, optimizer, x, y, tracker_cls=None) -> dict:
+    """Run a warm-up step, then one tracked step; the peak snapshot by category, in bytes."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    _step(model, optimizer, x, y)
+    tracker = (tracker_cls or MemTracker)()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        _step(model, optimizer, x, y)
+    snap = tracker.get_tracker_snapshot("peak")
+    dev = next(iter(snap))
+    out = {"peak": int(snap[dev]["Total"])}
+    for key, value in snap[dev].items():
+        name = getattr(key, "value", str(key))
+        if name in CATEGORIES:
+            out[CATEGORIES[name]] = int(value)
+    return out
+
+
+def _batch(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: int):
+    if seq_len > cfg.max_seq_len:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"micro_batch and seq_len must be >= 1, got {micro_batch}, {seq_len}")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g)
+    return x, y
+
+
+def measure_step(cfg: ModelConfig, micro_batch: int, seq_len: int, recompute: str = "none",
+                 dtype: str = "fp32", seed: int = 0) -> dict:
+    """Peak tensor bytes of one training step on CPU, by category (and 'peak').
+
+    dtype "bf16" casts the whole model (and so the AdamW state) to bf16: its activations are
+    those of bf16 training, its model states are not those of mixed precision (no fp32 master).
+    """
+    if recompute not in ("none", "full"):
+        raise ValueError(f"recompute {recompute!r}: measurement supports 'none' and 'full'")
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype {dtype!r}: measurement supports 'fp32' and 'bf16'")
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    if recompute == "full":
+        from torch.distributed._composable import checkpoint
+        for block in model.blocks:
+            checkpoint(block)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    return _tracked_peak(model, optimizer, *_batch(cfg, micro_batch, seq_len, seed))
+
+
+def measure_fsdp_rank(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: int = 0) -> dict:
+    """One rank's peak tensor bytes under FSDP2 (call through `launch.run`; each rank gets its
+    own micro-batch of `micro_batch` sequences). Sharded parameters count as weights."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        raise ValueError("measure_fsdp_rank runs inside a process group: use "
+                         "trainbook.parallel.launch.run(measure_fsdp_rank, nprocs, args=...)")
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    out = _tracked_peak(model, optimizer, *_batch(cfg, micro_batch, seq_len, seed + dist.get_rank()))
+    out["rank"] = dist.get_rank()
+    return out
