@@ -49,3 +49,18 @@ def test_errors():
         harness.shard(harness.global_batches(harness.Setup())[0], 0, 3)
     with pytest.raises(RuntimeError, match="kind must be 'scratch' or 'ddp'"):
         launch.run(dp.run_data_parallel, 2, args=(harness.Setup(),), kwargs=dict(kind="zero"), timeout_s=60)
+
+
+def test_per_rank_memory_matches_the_estimator():
+    from trainbook.compute import memory
+
+    s = harness.Setup(optimizer="adamw", d_model=128, n_layers=4, d_ff=256, global_batch=8, seq_len=64)
+    per_rank = launch.run(dp.sweep, 2, args=(s, [dict(kind="scratch"), dict(kind="ddp")]),
+                          kwargs=dict(fn=dp.measure_rank_memory), timeout_s=180)
+    predicted = memory.estimate(memory.MemoryInputs(model=s.model_config(), dtype="fp32", optimizer="adamw",
+                                                    dp=2, micro_batch=4, seq_len=64)).peak
+    grads = 4 * sum(p.numel() for p in harness.build_model(s).parameters())
+    for r in per_rank:
+        scratch, ddp = r.value
+        assert abs(predicted / scratch["peak"] - 1) < 0.05
+        assert abs((ddp["peak"] - scratch["peak"]) / grads - 1) < 0.05  # DDP's persistent buckets

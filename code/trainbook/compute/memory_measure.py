@@ -32,15 +32,20 @@ def _step(model, optimizer, x, y) -> None:
     del logits
 
 
-def _tracked_peak(model, optimizer, x, y, tracker_cls=None) -> dict:
-    """Run a warm-up step, then one tracked step; the peak snapshot by category, in bytes."""
+def tracked_peak(model, optimizer, x, y, step=None, tracker_cls=None) -> dict:
+    """Run a warm-up step, then one tracked step; the peak snapshot by category, in bytes.
+
+    `step(model, optimizer, x, y)` is one training step (default: the reference trainer's);
+    a parallel technique passes its own (a pipeline schedule, a tensor-parallel loss, ...).
+    """
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    _step(model, optimizer, x, y)
+    step = step or _step
+    step(model, optimizer, x, y)
     tracker = (tracker_cls or MemTracker)()
     tracker.track_external(model, optimizer)
     with tracker:
-        _step(model, optimizer, x, y)
+        step(model, optimizer, x, y)
     snap = tracker.get_tracker_snapshot("peak")
     dev = next(iter(snap))
     out = {"peak": int(snap[dev]["Total"])}
@@ -82,7 +87,7 @@ def measure_step(cfg: ModelConfig, micro_batch: int, seq_len: int, recompute: st
         for block in model.blocks:
             checkpoint(block)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    return _tracked_peak(model, optimizer, *_batch(cfg, micro_batch, seq_len, seed))
+    return tracked_peak(model, optimizer, *_batch(cfg, micro_batch, seq_len, seed))
 
 
 def measure_fsdp_rank(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: int = 0) -> dict:
@@ -100,6 +105,6 @@ def measure_fsdp_rank(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: in
         fully_shard(block)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    out = _tracked_peak(model, optimizer, *_batch(cfg, micro_batch, seq_len, seed + dist.get_rank()))
+    out = tracked_peak(model, optimizer, *_batch(cfg, micro_batch, seq_len, seed + dist.get_rank()))
     out["rank"] = dist.get_rank()
     return out

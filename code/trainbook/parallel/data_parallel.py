@@ -130,7 +130,35 @@ def run_data_parallel(setup: harness.Setup, kind: str = "scratch", accumulation:
             "step_seconds": sorted(times[1:] or times)[len(times[1:] or times) // 2]}  # median
 
 
-def sweep(setup: harness.Setup, variants: list[dict]) -> list[dict]:
-    """run_data_parallel once per variant (its keyword arguments), in one process group:
-    one launch instead of many, since starting processes costs more than these tiny runs."""
-    return [run_data_parallel(setup, **v) for v in variants]
+def sweep(setup: harness.Setup, variants: list[dict], fn=None) -> list[dict]:
+    """fn (default run_data_parallel) once per variant (its keyword arguments), in one process
+    group: one launch instead of many, since starting processes costs more than these tiny runs."""
+    return [(fn or run_data_parallel)(setup, **v) for v in variants]
+
+
+def measure_rank_memory(setup: harness.Setup, kind: str = "ddp", bucket_mb: float = 25.0) -> dict:
+    """This rank's peak tensor bytes, by category, for one steady-state step of data parallelism
+    (MemTracker; see trainbook.compute.memory_measure). Every rank holds a full replica.
+
+    kind: 'scratch' or 'ddp'. DDP allocates its gradient buckets once and keeps them: one more
+    copy of the gradients for the whole run (with gradient_as_bucket_view=True the gradients
+    become views into them instead of a second copy; the buckets stay).
+    """
+    from ..compute.memory_measure import tracked_peak
+
+    if kind not in ("scratch", "ddp"):
+        raise ValueError(f"kind must be 'scratch' or 'ddp', got {kind!r}")
+    model = harness.build_model(setup)
+    wrapped = DataParallel(model, bucket_mb) if kind == "scratch" else \
+        nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    opt = harness.make_optimizer(setup, model.parameters())
+    x, y = harness.shard(harness.global_batches(setup)[0], dist.get_rank(), dist.get_world_size())
+
+    def step(_model, optimizer, xb, yb):
+        logits, loss = wrapped(xb, yb)  # logits stay alive through backward, as in train.train
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        del logits
+
+    return tracked_peak(wrapped, opt, x, y, step=step)

@@ -1,7 +1,8 @@
 """Run a function on N processes in a fresh process group, with a timeout, from a notebook or test.
 
-`run(fn, nprocs)` spawns N processes, joins them into one torch.distributed group (gloo on CPU,
-nccl on GPUs), calls fn(*args) on every rank and returns each rank's return value and printed
+`run(fn, nprocs)` spawns N processes, joins them into one torch.distributed group (gloo by
+default, since the book's demos keep their tensors on the CPU; backend="nccl" for a function
+that puts its tensors on cuda:LOCAL_RANK), calls fn(*args) on every rank and returns each rank's return value and printed
 output in rank order. If a rank raises, the error names the rank and carries its traceback; if
 the job runs past `timeout_s` (a mismatched collective, a deadlock), every process is killed and
 a TimeoutError says so. No chapter or test can hang.
@@ -61,7 +62,7 @@ def _worker(rank, world_size, port, backend, timeout_s, fn, args, kwargs, result
 
 
 def run(fn: Callable, nprocs: int = 2, args: tuple = (), kwargs: dict | None = None,
-        timeout_s: float = 120, backend: str | None = None) -> list[RankResult]:
+        timeout_s: float = 120, backend: str = "gloo") -> list[RankResult]:
     """fn(*args, **kwargs) on `nprocs` ranks; results in rank order. fn must be importable
     (a module-level function of a package), since each rank is a fresh spawned process."""
     if nprocs < 1:
@@ -71,7 +72,6 @@ def run(fn: Callable, nprocs: int = 2, args: tuple = (), kwargs: dict | None = N
     if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
         raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} is defined in a notebook or a function; "
                          "spawned ranks can only import module-level functions from a package")
-    backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
     ctx = mp.get_context("spawn")

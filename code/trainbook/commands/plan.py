@@ -1,0 +1,70 @@
+"""trainbook plan: enumerate parallel layouts (dp, tp, pp, cp, ep, ZeRO stage, micro-batch,
+recompute, interleave) of a model on N GPUs, keep those that obey the divisibility rules and fit
+in memory, estimate each one's step time from compute and communication, and rank them. With
+--explain, say why one layout is or is not feasible. The time model is a ranking aid, not a
+prediction: see trainbook.parallel.planner for what it leaves out."""
+
+import json
+
+from .. import configs, hardware
+from ..parallel import planner
+from ..report import table
+
+HELP = "rank parallel layouts (dp/tp/pp/cp/ep, ZeRO, micro-batch, recompute) for a model on N GPUs"
+
+
+def add_arguments(p):
+    p.add_argument("--model", required=True,
+                   help=f"preset ({', '.join(configs.PRESETS)}) or path to a config.json")
+    p.add_argument("--gpu", default="h100-sxm", help=f"GPU type ({', '.join(hardware.SPECS)})")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (a positive integer)")
+    p.add_argument("--global-batch-tokens", type=int, required=True,
+                   help="tokens per optimizer step, a multiple of --seq-len (e.g. 16777216)")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    p.add_argument("--all-variants", action="store_true",
+                   help="list every variant, not only the fastest of each (dp, tp, pp, cp, ep)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--nic-gbps", type=float, default=50.0,
+                   help="network bandwidth per GPU in GB/s (default 50: 400 Gb/s)")
+    p.add_argument("--mfu-matmul", type=float, default=0.5,
+                   help="fraction of the bf16 peak the matmuls reach (default 0.5)")
+    p.add_argument("--headroom", type=float, default=0.10,
+                   help="fraction of GPU memory kept free (default 0.10)")
+    p.add_argument("--explain", metavar="LAYOUT",
+                   help="explain one layout instead, e.g. "
+                        "'tp=8,pp=16,dp=128,zero=2,recompute=full' (dp defaults to the rest)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args) -> int:
+    if args.gpus is None or args.gpus < 1:
+        raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
+    if args.top < 1:
+        raise ValueError(f"--top must be a positive integer, got {args.top}")
+    cluster = planner.Cluster(gpu=args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                              nic_gbps=args.nic_gbps, mfu_matmul=args.mfu_matmul,
+                              headroom=args.headroom)
+    job = planner.Job(configs.resolve(args.model), args.global_batch_tokens, args.seq_len)
+    if args.explain:
+        text = planner.explain(args.explain, job, cluster)
+        print(json.dumps({"explain": text}, indent=2) if args.json else text)
+        return 0
+    plans = planner.rank(job, cluster)
+    shown = (plans if args.all_variants else planner.best_per_shape(plans))[: args.top]
+    if args.json:
+        print(json.dumps({"model": job.model.name, "gpu": cluster.spec.name, "gpus": args.gpus,
+                          "feasible_layouts": len(plans),
+                          "layouts": [dict(p.row(), breakdown_s=p.breakdown) for p in shown]},
+                         indent=2))
+        return 0
+    print(f"{job.model.name} on {args.gpus:,} x {cluster.spec.name}: {job.sequences:,} sequences "
+          f"of {job.seq_len:,} tokens per step; {len(plans)} feasible layouts "
+          f"(memory limit {cluster.usable_gib:.1f} GiB, matmuls at {cluster.mfu_matmul:.0%} of "
+          f"peak, network {cluster.nic_gbps:g} GB/s per GPU)")
+    if not plans:
+        print("no layout fits: more GPUs, a shorter sequence or a smaller global batch; "
+              "try --explain to see why a layout fails")
+        return 0
+    print(table([p.row() for p in shown]))
+    return 0

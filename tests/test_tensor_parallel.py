@@ -1,0 +1,118 @@
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainbook.parallel import harness, launch
+from trainbook.parallel import tensor_parallel as tp
+
+
+def _key(row):
+    return row["op"], row["phase"], row["where"]
+
+
+def test_llama_every_kind_matches_reference_and_theory():
+    s = harness.Setup()  # llama, 4 heads, 2 kv heads: GQA split over 2 ranks
+    ref = harness.reference(s)
+    variants = [dict(kind=k) for k in tp.KINDS] + [dict(kind="dtensor", shared_input=False)]
+    ranks = launch.run(tp.sweep, 2, args=(s, variants), timeout_s=180)
+    for r in ranks:
+        for v, out in zip(variants, r.value):
+            d = harness.max_differences(out["trace"], ref)
+            assert d["loss"] < 1e-5 and d["grad"] < 1e-6 and d["param"] < 1e-6, (v, d)
+    outs = ranks[0].value
+    cfg = s.model_config()
+    for out in outs[:2]:  # scratch: every collective counted, calls and bytes, as theory says
+        sp = out["kind"].endswith("_sp")
+        measured = {_key(r): (r["calls"], r["bytes"]) for r in out["counts"]}
+        theory = {_key(r): (r["calls"], r["bytes"]) for r in tp.theory_counts(cfg, sp, s.global_batch, s.seq_len)}
+        extra = measured.keys() - theory.keys()
+        assert extra == ({("all_reduce", "backward", "grads")} if sp else set())
+        assert {k: measured[k] for k in theory} == theory
+        block = [r for r in out["counts"] if r["where"] == "block"]
+        # per layer: 2 all-reduces forward + 2 backward; SP: an all-gather + reduce-scatter each
+        assert sum(r["calls"] for r in block) == (8 if sp else 4) * cfg.n_layers
+    # SP swaps each all-reduce for a reduce-scatter + all-gather pair of the same total volume
+    by = lambda out, ops: sum(r["bytes"] for r in out["counts"] if r["where"] == "block" and r["op"] in ops)  # noqa
+    ar, pairs = by(outs[0], {"all_reduce"}), by(outs[1], {"all_gather", "reduce_scatter"})
+    assert pairs == 2 * ar
+    assert sum(tp.wire_bytes(r["op"], r["bytes"], 2) for r in outs[0]["counts"] if r["where"] == "block") == \
+        sum(tp.wire_bytes(r["op"], r["bytes"], 2) for r in outs[1]["counts"] if r["where"] == "block")
+    # DTensor issues the same collectives (shared q/k/v input); unshared pays one per Colwise layer
+    assert outs[2]["observed"] == outs[0]["observed"] == {"all_reduce": 13}
+    assert sum(r["calls"] for r in outs[0]["counts"]) == 13  # Comm misses nothing CommDebugMode sees
+    assert outs[3]["observed"]["all_gather"] == outs[1]["observed"]["all_gather"] == 10
+    assert outs[4]["observed"]["all_reduce"] == 13 + 3 * cfg.n_layers  # (q, k, v) 3 + (gate, up) 2 vs 2
+    # SP norm weights: scratch sums their gradients in backward; DTensor leaves them Partial and
+    # reduces each one in the optimizer step
+    assert not outs[1]["in_optimizer"] and outs[3]["in_optimizer"] == {"all_reduce": 2 * cfg.n_layers + 1}
+
+
+def test_gpt2_tied_sequence_parallel_adamw_and_memory():
+    s = harness.Setup(flavour="gpt2", n_kv_heads=4, optimizer="adamw")
+    ref = harness.reference(s)
+    variants = [dict(kind="scratch_sp", measure_memory=True), dict(kind="dtensor_sp")]
+    outs = launch.run(tp.sweep, 2, args=(s, variants), timeout_s=180)[0].value
+    for out in outs:
+        d = harness.max_differences(out["trace"], ref)
+        assert d["loss"] < 1e-5 and d["grad"] < 1e-6 and d["param"] < 1e-4, (out["kind"], d)
+    est = tp.estimate_memory(s, 2, True)
+    mem = outs[0]["memory"]
+    assert mem["weights"] == pytest.approx(est.weights, rel=0.02)  # V/tp embedding rows, replicated norms
+    assert mem["optimizer"] == pytest.approx(est.optimizer, rel=0.02)
+    assert 0.7 < mem["peak"] / est.peak < 1.5
+
+
+@settings(deadline=None, max_examples=40)
+@given(n=st.integers(1, 12), shards=st.sampled_from([1, 2, 4, 8]), width=st.integers(1, 5),
+       scale=st.floats(0.1, 30.0), seed=st.integers(0, 2**16))
+def test_vocab_parallel_cross_entropy_equals_full(n, shards, width, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, shards * width, generator=g, dtype=torch.float64) * scale
+    targets = torch.randint(0, shards * width, (n,), generator=g)
+    got = tp.emulate_vocab_parallel_cross_entropy(logits.float(), targets, shards)
+    assert got.item() == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-5, abs=1e-5)
+
+
+def test_distributed_vocab_parallel_loss_and_gradient():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(24, 256, generator=g) * 5
+    targets = torch.randint(0, 256, (24,), generator=g)
+    full = logits.clone().requires_grad_()
+    F.cross_entropy(full, targets).backward()
+    ranks = launch.run(tp.cross_entropy_rank, 2, args=(logits, targets), timeout_s=60)
+    for r in ranks:
+        assert r.value[0] == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-6)
+    grad = torch.cat([r.value[1] for r in ranks], dim=-1)
+    assert (grad - full.grad).abs().max() < 1e-7
+
+
+def test_bad_input():
+    cfg = harness.Setup().model_config()  # 4 heads, 2 kv heads, d_ff 128, vocab 256
+    with pytest.raises(ValueError, match="tp 3 does not divide the 4 attention heads"):
+        tp.check_divisible(cfg, 3)
+    with pytest.raises(ValueError, match="tp 4 does not divide the 2 key/value heads"):
+        tp.check_divisible(cfg, 4)
+    wide = dataclasses.replace(cfg, n_kv_heads=4)
+    with pytest.raises(ValueError, match="tp 4 does not divide the 130 MLP hidden size"):
+        tp.check_divisible(dataclasses.replace(wide, d_ff=130), 4)
+    with pytest.raises(ValueError, match="tp 4 does not divide the 250 vocabulary size"):
+        tp.check_divisible(dataclasses.replace(wide, vocab_size=250), 4)
+    with pytest.raises(ValueError, match="does not divide seq_len 31"):
+        tp.check_divisible(cfg, 2, seq_len=31, sp=True)
+    tp.check_divisible(cfg, 2, seq_len=31, sp=False)  # plain TP does not split the sequence
+    with pytest.raises(ValueError, match="V divisible by tp 3"):
+        tp.emulate_vocab_parallel_cross_entropy(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="needs a process group"):
+        tp.run_tp(harness.Setup())
+    with pytest.raises(RuntimeError, match="kind must be one of"):
+        launch.run(tp.run_tp, 2, args=(harness.Setup(), "zero"), timeout_s=60)
+
+
+def test_entry_point_help():
+    with pytest.raises(SystemExit) as e:
+        tp.main(["--help"])
+    assert e.value.code == 0
