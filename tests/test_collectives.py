@@ -10,7 +10,8 @@ from trainbook.parallel import collectives, launch
 
 
 @pytest.mark.parametrize("text, nbytes", [("4096", 4096), ("1KiB", 1024), ("64MiB", 64 * 2**20),
-                                          ("1GB", 10**9), ("2 KB", 2000), ("1e6", 10**6)])
+                                          ("1GB", 10**9), ("2 KB", 2000), ("1e6", 10**6),
+                                          ("1.5KB", 1500), ("1kib", 1024), ("8B", 8)])
 def test_parse_size(text, nbytes):
     assert bench.parse_size(text) == nbytes
 
@@ -19,6 +20,26 @@ def test_parse_size(text, nbytes):
 def test_parse_size_rejects_nonsense(text):
     with pytest.raises(ValueError):
         bench.parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["1.2.3", "1..2", "e6", "+-1", "1e"])
+def test_parse_size_rejects_malformed_numbers_clearly(text):
+    with pytest.raises(ValueError, match="cannot read size"):
+        bench.parse_size(text)
+
+
+@pytest.mark.parametrize("text, hint", [("64M", "64MB .* or 64MiB"), ("1K", "1KB .* or 1KiB"),
+                                        ("2g", "2GB .* or 2GiB")])
+def test_parse_size_refuses_bare_ambiguous_suffixes(text, hint):
+    with pytest.raises(ValueError, match=f"ambiguous; write {hint}"):
+        bench.parse_size(text)
+
+
+def test_parse_size_decimal_agrees_with_parse_count():
+    from trainbook.compute.cost import parse_count
+    assert bench.parse_size("1MB") == parse_count("1M") == 10**6
+    assert bench.parse_size("3GB") == parse_count("3G")
+    assert bench.parse_size("1MiB") == 2**20
 
 
 def test_payload_sizes_and_errors():
@@ -108,3 +129,27 @@ def test_command_help_and_bad_input(capsys):
     assert "unknown collective" in capsys.readouterr().err
     assert bench.main([]) == 2  # not under torchrun
     assert "torchrun" in capsys.readouterr().err
+
+
+def test_collective_time_is_ring_steps_times_alpha_plus_bus_factor_bandwidth():
+    alpha, bw, S = 5e-6, 50e9, 2**30
+    for op, steps in (("all_reduce", 14), ("all_gather", 7), ("reduce_scatter", 7),
+                      ("all_to_all", 7), ("broadcast", 7)):
+        assert collectives.collective_time(op, 8, S, alpha, bw) == pytest.approx(
+            steps * alpha + bench.bus_factor(op, 8) * S / bw)
+    assert collectives.ring_time(8, S, alpha, bw) == collectives.collective_time("all_reduce", 8, S, alpha, bw)
+    assert collectives.ring_time(8, S, alpha, bw) == pytest.approx(2 * 7 * (alpha + S / 8 / bw))
+    assert collectives.collective_time("all_reduce", 1, S, alpha, bw) == 0.0
+
+
+@pytest.mark.parametrize("fn", [collectives.ring_time, collectives.tree_time,
+                                lambda n, s, a, b: collectives.collective_time("all_gather", n, s, a, b)])
+def test_alpha_beta_models_validate_their_inputs(fn):
+    with pytest.raises(ValueError, match="n must be a whole number >= 1"):
+        fn(0, 1e6, 5e-6, 50e9)
+    with pytest.raises(ValueError, match="bandwidth must be positive"):
+        fn(8, 1e6, 5e-6, 0)
+    with pytest.raises(ValueError, match="n must be a whole number >= 1"):
+        bench.bus_factor("all_reduce", 0)
+    with pytest.raises(ValueError, match="unknown collective"):
+        collectives.collective_time("allgather", 8, 1e6, 5e-6, 50e9)

@@ -282,3 +282,8 @@ def test_cost_bad_input_is_one_clear_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_gpt2_cannot_be_priced_past_its_learned_positions():
+    with pytest.raises(ValueError, match="exceeds gpt2's 1024 learned positions"):
+        cost.estimate("gpt2", "1B", seq_len=8192)

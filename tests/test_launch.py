@@ -33,3 +33,10 @@ def test_bad_arguments():
         launch.run(lambda: 1, nprocs=2)
     with pytest.raises(ValueError, match="backend must be gloo or nccl"):
         launch.run(dist_fns.rank_sum, nprocs=2, backend="mpi")
+
+
+def test_rank_device_is_the_cpu_under_gloo_and_needs_a_group():
+    out = launch.run(launch.rank_device, nprocs=2, timeout_s=60)
+    assert [str(r.value) for r in out] == ["cpu", "cpu"]
+    with pytest.raises(ValueError, match="needs a process group"):
+        launch.rank_device()

@@ -217,3 +217,9 @@ def test_cli_table_and_json(capsys):
 def test_cli_bad_input(argv, msg, capsys):
     assert main(["memory", *argv]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_memory_command_rejects_an_infinite_parameter_count(capsys):
+    from trainbook.__main__ import main
+    assert main(["memory", "--params", "inf"]) == 2
+    assert "--params must be a positive whole number" in capsys.readouterr().err

@@ -140,3 +140,25 @@ def test_cli(capsys):
     assert "not a whole number of 8,000-token sequences" in capsys.readouterr().err
     assert main(args + ["--gpu", "tpu-v9"]) == 2
     assert "unknown accelerator" in capsys.readouterr().err
+
+
+def test_dtypes_map_to_honest_peaks():
+    from trainbook import hardware
+    from trainbook.compute import flops
+    cfg = configs.get("llama-3-8b")
+    with pytest.raises(ValueError, match="dtype 'fp8' is unknown"):
+        P.Job(cfg, 1024 * 4096, 4096, dtype="fp8")
+    h100, v100 = P.Cluster(gpus=64), P.Cluster(gpu="v100-sxm2-32gb", gpus=64)
+    fp32, bf16 = P.Job(cfg, 1024 * 4096, 4096, dtype="fp32"), P.Job(cfg, 1024 * 4096, 4096)
+    assert P.matmul_dtype(fp32, h100) == "tf32" and P.matmul_dtype(bf16, h100) == "bf16"
+    assert P.matmul_dtype(fp32, v100) == "fp32"  # no TF32 before Ampere
+    assert P.peak_flops(fp32, h100) == hardware.get("h100-sxm").peak_flops("tf32")
+    lay = P.Layout(dp=8, tp=8, zero=1, recompute="full")
+    plan = P.evaluate(lay, fp32, h100)
+    model_flops = flops.training_flops(cfg, 4096)["total"] * fp32.sequences
+    assert plan.mfu == pytest.approx(flops.utilization(model_flops, plan.step_s, P.peak_flops(fp32, h100), 64))
+    # fp32 moves twice the bytes of bf16 on the wire (the latency term stays), and computes at
+    # the TF32 peak, half the bf16 one
+    assert P.step_time(lay, bf16, h100)["tp"] < P.step_time(lay, fp32, h100)["tp"] < \
+        2 * P.step_time(lay, bf16, h100)["tp"]
+    assert P.step_time(lay, fp32, h100)["compute"] == pytest.approx(2 * P.step_time(lay, bf16, h100)["compute"])

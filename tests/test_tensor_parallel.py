@@ -116,3 +116,12 @@ def test_entry_point_help():
     with pytest.raises(SystemExit) as e:
         tp.main(["--help"])
     assert e.value.code == 0
+
+
+def test_wire_bytes_is_the_bus_factor():
+    from trainbook.bench.collectives import bus_factor
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert tp.wire_bytes(op, 1000.0, 8) == bus_factor(op, 8) * 1000.0
+    assert tp.wire_bytes("all_reduce", 1000.0, 4) == 1500.0
+    with pytest.raises(ValueError, match="unknown collective"):
+        tp.wire_bytes("allreduce", 1000.0, 4)

@@ -93,6 +93,9 @@ def test_model_config_overrides(cache_dir):
     (dict(device="tpu"), "device must be auto, cpu or cuda"),
     (dict(model="llama-9"), "unknown model 'llama-9'"),
     (dict(n_heads=3), "not divisible by 3 heads"),
+    (dict(eval_every=-1), "eval_every must be >= 0"),
+    (dict(stop_after=0), "stop_after must be >= 1"),
+    (dict(device="cuda:x"), "device must be auto, cpu, cuda or cuda:N"),
 ])
 def test_bad_training_configs(cache_dir, changes, message):
     with pytest.raises(ValueError, match=message):

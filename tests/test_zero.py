@@ -134,3 +134,10 @@ def test_cli_help():
     with pytest.raises(SystemExit) as e:
         zero.main(["--help"])
     assert e.value.code == 0
+
+
+def test_wire_bytes_is_the_all_gather_bus_factor():
+    assert zero.wire_bytes(1000.0, 4) == 750.0
+    assert zero.wire_bytes(1000.0, 1) == 0.0
+    with pytest.raises(ValueError, match="n must be a whole number >= 1"):
+        zero.wire_bytes(1000.0, 0)

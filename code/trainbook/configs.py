@@ -136,6 +136,16 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     return counts
 
 
+def check_seq_len(cfg: ModelConfig, seq_len: int) -> int:
+    """seq_len, if the model can run it: learned positions (gpt2 flavour) end at max_seq_len."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1 and a whole number (--seq-len), got {seq_len!r}")
+    if cfg.flavour == "gpt2" and seq_len > cfg.max_seq_len:
+        raise ValueError(f"sequence length {seq_len} exceeds {cfg.name}'s {cfg.max_seq_len} learned "
+                         "positions; use a shorter sequence")
+    return seq_len
+
+
 def _llama(name, vocab, layers, d, heads, kv, ff, seq, theta=10000.0, eps=1e-5, **kw):
     return ModelConfig(name, "llama", vocab, layers, d, heads, kv, ff, max_seq_len=seq,
                        rope_theta=theta, norm_eps=eps, **kw)

@@ -12,7 +12,6 @@ usable), bandwidth in decimal GB/s. Interconnect is the per-GPU bidirectional to
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -133,23 +132,14 @@ def match_device_name(device_name: str) -> Accelerator | None:
     return None
 
 
-def measure_matmul_tflops(dtype: torch.dtype = torch.float32, size: int = 1024,
-                          device: str | torch.device = "cpu", seconds: float = 0.5) -> float:
-    """Best achieved TFLOPS of a square matmul, repeated for about `seconds`."""
+def measure_matmul_tflops(dtype: str = "fp32", size: int = 1024, device: str | torch.device = "cpu",
+                          repeats: int = 50) -> float:
+    """Best TFLOPS of `repeats` square matmuls of `size` (trainbook.bench.matmul does the timing)."""
+    from .bench.matmul import time_matmul  # bench imports this module: import here, not above
+
     if size < 16:
         raise ValueError(f"matmul size {size} is too small to measure anything; use >= 16")
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    a @ b  # warm-up
-    sync()
-    best, deadline = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best / 1e12
+    return time_matmul(size, size, size, normalize_dtype(dtype), device, repeats=repeats).max_tflops
 
 
 _cpu_cache: dict[str, Accelerator] = {}
@@ -159,10 +149,9 @@ def cpu_spec(dtypes: tuple[str, ...] = ("fp32", "bf16"), size: int = 1024) -> Ac
     """A CPU has no spec sheet: its 'peak' is the best matmul measured here (cached per process)."""
     key = f"{dtypes}-{size}"
     if key not in _cpu_cache:
-        torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         tflops = {d: None for d in DTYPES}
         for d in dtypes:
-            tflops[normalize_dtype(d)] = measure_matmul_tflops(torch_dtypes[normalize_dtype(d)], size)
+            tflops[normalize_dtype(d)] = measure_matmul_tflops(d, size)
         _cpu_cache[key] = Accelerator(
             name="cpu", vendor="measured", tflops=tflops, memory_gib=0.0, hbm_gbps=0.0,
             interconnect="none", interconnect_gbps=0.0, measured=True,
@@ -180,13 +169,8 @@ def detect(device: str | torch.device | None = None, dtype: str = "fp32") -> Acc
         spec = match_device_name(name)
         if spec is None:  # not in the table: measure it, and say so
             dtype = normalize_dtype(dtype)
-            torch_dtype = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-                           "fp16": torch.float16}.get(dtype)
-            if torch_dtype is None:
-                raise ValueError(f"GPU {name!r} is not in the spec table and {dtype} cannot be "
-                                 "measured by a plain matmul; add a row with its datasheet source")
             tflops = {d: None for d in DTYPES}
-            tflops[dtype] = measure_matmul_tflops(torch_dtype, 4096, device)
+            tflops[dtype] = measure_matmul_tflops(dtype, 4096, device)
             props = torch.cuda.get_device_properties(device)
             return Accelerator(name, "measured", tflops, props.total_memory / 2**30, 0.0, "unknown", 0.0,
                                source=f"measured here: best 4096x4096 {dtype} matmul ({name} is not "

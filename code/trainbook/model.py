@@ -57,16 +57,22 @@ class Attention(nn.Module):
 
     def forward(self, x, rope=None):
         B, T, _ = x.shape
-        h, kv, hd = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.dim_head
-        q = self.q(x).view(B, T, h, hd).transpose(1, 2)
-        k = self.k(x).view(B, T, kv, hd).transpose(1, 2)
-        v = self.v(x).view(B, T, kv, hd).transpose(1, 2)
+        hd = self.cfg.dim_head
+        # heads = width / head_dim, so the same code runs on a tensor-parallel shard of q, k, v
+        q = self.q(x).view(B, T, -1, hd).transpose(1, 2)
+        k = self.k(x).view(B, T, -1, hd).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, hd).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv != h:  # grouped-query attention: each kv head serves h // kv query heads
-            k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(B, T, h * hd))
+        y = self.core(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+    def core(self, q, k, v):
+        """Causal attention on (batch, heads, time, head_dim); context parallelism replaces it."""
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: a kv head serves a group of q heads
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import configs, hardware
-from .compute.flops import training_flops_per_token
+from .compute.flops import training_flops_per_token, utilization
 from .data import ShardedLoader, build_dataset, make_tokenizer
 from .model import Transformer
 
@@ -83,6 +83,11 @@ class TrainConfig:
             raise ValueError(f"dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError("grad_clip and weight_decay must be >= 0")
+        for name in ("log_every", "eval_every", "ckpt_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"stop_after must be >= 1 (or None), got {self.stop_after}")
         if (self.ckpt_every or self.resume) and not self.ckpt_dir:
             raise ValueError("ckpt_every and resume need ckpt_dir")
 
@@ -181,9 +186,11 @@ def resolve_device(name: str, ddp: Distributed) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
+        if name != "cuda" and not name.removeprefix("cuda:").isdigit():
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
         if not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but torch.cuda.is_available() is False")
-        return torch.device("cuda", ddp.local_rank if name == "cuda" else torch.device(name).index)
+        return torch.device("cuda", ddp.local_rank if name == "cuda" else int(name[5:]))
     if name != "cpu":
         raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
     return torch.device("cpu")
@@ -327,7 +334,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         tps = tokens_per_step / dt
         rec = {"step": step + 1, "loss": loss_val, "lr": lr, "grad_norm": norm.item(),
                "step_time_s": dt, "tokens_per_s": tps,
-               "mfu": tps * flops_per_token / (peak * ddp.world_size)}
+               "mfu": utilization(flops_per_token * tokens_per_step, dt, peak, ddp.world_size)}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             rec["val_loss"] = evaluate(model, data.val, cfg.batch_size, cfg.eval_batches, device, autocast)
         history.append(rec)

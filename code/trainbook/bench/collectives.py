@@ -23,21 +23,35 @@ import os
 import re
 import sys
 import time
+from numbers import Integral
 
 import torch
 import torch.distributed as dist
 
+from ..parallel.launch import rank_device
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
-          "G": 2**30, "GB": 10**9, "GIB": 2**30}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*")
 
 
 def parse_size(text: str) -> int:
-    """'64MiB' -> 67108864 bytes; '1e6' and '4096' are plain bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"cannot read size {text!r}; write e.g. 4096, 1KiB, 64MiB, 1GiB")
-    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    """'64MiB' -> 67108864 bytes. Units: B; KB, MB, GB decimal (10^3, 10^6, 10^9, as
+    `compute.cost.parse_count` reads K, M, G); KiB, MiB, GiB binary. A bare K, M or G is
+    ambiguous and refused; '1e6' and '4096' are plain bytes."""
+    hint = "write e.g. 4096, 1KiB, 64MiB, 1GiB or 1GB (decimal)"
+    m = _SIZE.fullmatch(str(text))
+    if not m:
+        raise ValueError(f"cannot read size {text!r}; {hint}")
+    unit = m.group(2).upper()
+    if unit in ("K", "M", "G"):
+        raise ValueError(f"size {text!r}: a bare {m.group(2)} is ambiguous; write "
+                         f"{m.group(1)}{unit}B (10^{'369'['KMG'.index(unit)]}) or "
+                         f"{m.group(1)}{unit}iB (2^{(1 + 'KMG'.index(unit)) * 10})")
+    if unit not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}: unknown unit {m.group(2)!r}; {hint}")
+    value = float(m.group(1)) * _UNITS[unit]
     if value < 1 or value != int(value):
         raise ValueError(f"size {text!r} must be a whole number of bytes >= 1")
     return int(value)
@@ -56,7 +70,12 @@ def payload_sizes(lo: int, hi: int, factor: int = 2) -> list[int]:
 
 
 def bus_factor(op: str, n: int) -> float:
-    """busbw / algbw for `op` on n ranks (nccl-tests): the fraction of S each rank must move."""
+    """busbw / algbw for `op` on n ranks (nccl-tests): the fraction of S each rank must move.
+
+    The book's one source of "bytes each rank sends per byte of payload": the alpha-beta model
+    (`parallel.collectives.collective_time`), the planner and the wire-byte counts use it."""
+    if isinstance(n, bool) or not isinstance(n, Integral) or n < 1:
+        raise ValueError(f"the rank count n must be a whole number >= 1, got {n!r}")
     if op == "all_reduce":
         return 2 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -99,7 +118,7 @@ def time_op(op: str, nbytes: int, iters: int = 10, warmup: int = 2, dtype=torch.
     """Seconds per call of `op` on nbytes: the average over `iters` calls, on the slowest rank
     (a collective ends when its last rank does), in the best of `rounds` rounds (a round that
     another process interrupted is not the network's speed)."""
-    n, device = dist.get_world_size(), _device()
+    n, device = dist.get_world_size(), rank_device()
     inp, out = _buffers(op, nbytes, n, dtype, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
@@ -116,12 +135,6 @@ def time_op(op: str, nbytes: int, iters: int = 10, warmup: int = 2, dtype=torch.
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         best = min(best, elapsed.item())
     return best
-
-
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def benchmark(ops=OPS, sizes=(2**10, 2**16, 2**20), iters: int = 10, warmup: int = 2,

@@ -37,11 +37,7 @@ def report(model, seq_len: int, recompute: str = "none", causal: bool = False, b
            tokens: float | None = None) -> dict:
     """Everything the command prints, as a dict (the --json output)."""
     cfg = configs.resolve(model)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"--seq-len must be a positive integer, got {seq_len!r}")
-    if cfg.flavour == "gpt2" and seq_len > cfg.max_seq_len:
-        raise ValueError(f"--seq-len {seq_len} exceeds {cfg.name}'s {cfg.max_seq_len} learned "
-                         "positions; use a shorter sequence")
+    configs.check_seq_len(cfg, seq_len)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"--batch must be a positive integer, got {batch!r}")
     fwd = flops.forward_flops(cfg, seq_len, causal)

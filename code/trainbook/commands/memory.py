@@ -3,6 +3,7 @@ fits a GPU. Give --model (a preset or a config.json) for the full breakdown, or 
 model states only. Parallelism: --dp with --zero shards model states, --tp/--pp/--ep divide the
 weights, --tp (with sequence parallelism), --cp and --recompute shrink activations."""
 
+import math
 import json
 
 from .. import configs, hardware
@@ -48,7 +49,7 @@ def inputs_from_args(args) -> memory.MemoryInputs:
     """MemoryInputs from parsed options (bad combinations raise ValueError with the fix)."""
     params = None
     if args.params is not None:
-        if args.params < 1 or args.params != int(args.params):
+        if not math.isfinite(args.params) or args.params < 1 or args.params != int(args.params):
             raise ValueError(f"--params must be a positive whole number, got {args.params:g}")
         params = int(args.params)
     model = configs.resolve(args.model) if args.model else None

@@ -21,7 +21,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from .. import configs, hardware
-from .flops import matmul_params, training_flops_per_token
+from .flops import matmul_params, training_flops_per_token, utilization
 
 FLOP_MODES = ("6n+attn", "6n")
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}
@@ -72,9 +72,8 @@ def flops_per_token(cfg: configs.ModelConfig, seq_len: int | None = None,
     plain '6n' (N = parameters a token multiplies through, `matmul_params`)."""
     if mode not in FLOP_MODES:
         raise ValueError(f"FLOP mode {mode!r} is unknown; use one of {', '.join(FLOP_MODES)}")
-    if mode == "6n":
-        return 6.0 * matmul_params(cfg)
-    return float(training_flops_per_token(cfg, cfg.max_seq_len if seq_len is None else seq_len))
+    seq_len = configs.check_seq_len(cfg, cfg.max_seq_len if seq_len is None else seq_len)
+    return 6.0 * matmul_params(cfg) if mode == "6n" else float(training_flops_per_token(cfg, seq_len))
 
 
 def run_flops(model, tokens, seq_len: int | None = None, mode: str = "6n+attn") -> float:
@@ -144,7 +143,7 @@ def implied_mfu(model, tokens, gpu_hours: float, gpu: str | hardware.Accelerator
     stragglers), so this is a lower bound on the MFU of its steady-state steps."""
     _positive("GPU-hours", gpu_hours)
     flops = run_flops(model, tokens, seq_len, flop_mode)
-    return flops / (gpu_hours * 3600 * _accelerator(gpu).peak_flops(dtype))
+    return utilization(flops, gpu_hours * 3600, _accelerator(gpu).peak_flops(dtype))
 
 
 # --- goodput: checkpoints and failures -------------------------------------------------------

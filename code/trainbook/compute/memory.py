@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from .. import hardware
 from ..configs import ModelConfig, param_counts
+from .roofline import bytes_per_element
 
 GiB = 2**30
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -108,7 +109,7 @@ def reference_layer_bytes(cfg: ModelConfig, b: int, s: int, dtype: str = "fp32",
     not checked by measurement here. Mixture-of-experts MLPs are approximated (top_k copies).
     """
     recompute = _check_choice(recompute, RECOMPUTE, "recompute")
-    e = 4 if _check_choice(dtype, PRECISIONS, "dtype") == "fp32" else 2
+    e = bytes_per_element(_check_choice(dtype, PRECISIONS, "dtype"))
     tok = b * s / cp  # tokens on this rank; k and v are gathered: cp times as many
     d, ff, hd = cfg.d_model, cfg.ffn_dim, cfg.dim_head
     h, kv = cfg.n_heads / tp, cfg.kv_heads / tp
@@ -328,7 +329,7 @@ def estimate(x: MemoryInputs) -> MemoryBreakdown:
                                                  x.sequence_parallel, x.cp, rc)
         per_layer, full_layer = layer(x.recompute), layer("none")
         logit = logits_bytes(mb, s, cfg.vocab_size, x.dtype, x.tp, x.cp)
-        final_norm_acts = mb * s / x.cp * cfg.d_model * (4 if x.dtype == "fp32" else 2) * \
+        final_norm_acts = mb * s / x.cp * cfg.d_model * bytes_per_element(x.dtype) * \
             (3 if cfg.flavour == "llama" else 2) / (x.tp if x.sequence_parallel else 1)
     else:
         a, h = cfg.n_heads, cfg.d_model
@@ -369,7 +370,7 @@ def estimate(x: MemoryInputs) -> MemoryBreakdown:
         head_acts = final_norm_acts if last else 0.0
         logit_b = logit if last else 0.0
         # the logits the caller still holds while a layer is rebuilt, in the compute dtype
-        held_logits = mb * s / x.cp * cfg.vocab_size / x.tp * (4 if x.dtype == "fp32" else 2) \
+        held_logits = mb * s / x.cp * cfg.vocab_size / x.tp * bytes_per_element(x.dtype) \
             if last else 0.0
         acts = stored + rebuilt + head_acts
         transient = 0.0

@@ -90,21 +90,33 @@ def measure_step(cfg: ModelConfig, micro_batch: int, seq_len: int, recompute: st
     return tracked_peak(model, optimizer, *_batch(cfg, micro_batch, seq_len, seed))
 
 
-def measure_fsdp_rank(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: int = 0) -> dict:
+def measure_fsdp_rank(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: int = 0,
+                      mesh=None) -> dict:
     """One rank's peak tensor bytes under FSDP2 (call through `launch.run`; each rank gets its
-    own micro-batch of `micro_batch` sequences). Sharded parameters count as weights."""
+    own micro-batch of `micro_batch` sequences). Sharded parameters count as weights.
+
+    `mesh` is the DeviceMesh to shard over: by default a 1-D mesh of all ranks on this rank's
+    device (`launch.rank_device()`: the CPU under gloo); a 2-D ("replicate", "shard") mesh gives
+    HSDP (`parallel.mesh.measure_hsdp_rank`)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from ..parallel.launch import rank_device
 
     if not dist.is_initialized():
         raise ValueError("measure_fsdp_rank runs inside a process group: use "
                          "trainbook.parallel.launch.run(measure_fsdp_rank, nprocs, args=...)")
+    device = rank_device()
+    if mesh is None:  # explicit: the default mesh follows the accelerator, not the process group
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     torch.manual_seed(seed)
-    model = Transformer(cfg)
+    model = Transformer(cfg).to(device)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    out = tracked_peak(model, optimizer, *_batch(cfg, micro_batch, seq_len, seed + dist.get_rank()))
+    x, y = _batch(cfg, micro_batch, seq_len, seed + dist.get_rank())
+    out = tracked_peak(model, optimizer, x.to(device), y.to(device))
     out["rank"] = dist.get_rank()
     return out

@@ -10,9 +10,12 @@ Run them inside a process group (torchrun, or `trainbook.parallel.launch.run`).
 from __future__ import annotations
 
 import math
+from numbers import Integral
 
 import torch
 import torch.distributed as dist
+
+from ..bench.collectives import bus_factor
 
 
 def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
@@ -64,13 +67,46 @@ def tree_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Ring steps of each collective on n ranks: the latency term of `collective_time`.
+# all-reduce = reduce-scatter (n - 1 steps) + all-gather (n - 1 steps); all-gather and
+# reduce-scatter pass n - 1 chunks of S/n around the ring; all-to-all is n - 1 pairwise
+# exchanges of S/n; broadcast is a pipelined chain, n - 1 hops deep (the pipeline's chunks add
+# steps that the model leaves out).
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
+              "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1,
+              "broadcast": lambda n: n - 1}
+
+
+def _check_model(n, bandwidth_Bps) -> None:
+    if isinstance(n, bool) or not isinstance(n, Integral) or n < 1:
+        raise ValueError(f"the rank count n must be a whole number >= 1, got {n!r}")
+    if not bandwidth_Bps > 0:
+        raise ValueError(f"bandwidth must be positive (bytes/s), got {bandwidth_Bps!r}")
+
+
+def collective_time(op: str, n: int, nbytes: float, alpha_s: float, bandwidth_Bps: float) -> float:
+    """alpha-beta time of one ring collective on n ranks: steps x alpha + bus factor x S / B.
+
+    S = nbytes is the full buffer in the nccl-tests convention (`bench.collectives`: the
+    all-gather's output, the reduce-scatter's input); `bench.collectives.bus_factor` is the
+    fraction of S each rank sends, B the per-rank link bandwidth in bytes/s, alpha the latency of
+    one ring step; steps per op are in `RING_STEPS`. One rank moves nothing: 0 s.
+    """
+    _check_model(n, bandwidth_Bps)
+    factor = bus_factor(op, n)  # validates op
+    if n == 1:
+        return 0.0
+    return RING_STEPS[op](n) * alpha_s + factor * nbytes / bandwidth_Bps
+
+
 def ring_time(n: int, nbytes: float, alpha_s: float, bandwidth_Bps: float) -> float:
-    """alpha-beta model of the ring: 2(n-1) steps, each alpha plus (S/n)/B."""
-    return 2 * (n - 1) * (alpha_s + nbytes / n / bandwidth_Bps)
+    """alpha-beta model of the ring all-reduce: 2(n-1) steps, each alpha plus (S/n)/B."""
+    return collective_time("all_reduce", n, nbytes, alpha_s, bandwidth_Bps)
 
 
 def tree_time(n: int, nbytes: float, alpha_s: float, bandwidth_Bps: float) -> float:
     """alpha-beta model of the binomial tree (no pipelining): 2*ceil(log2 n) steps of the full S."""
+    _check_model(n, bandwidth_Bps)
     return 2 * math.ceil(math.log2(n)) * (alpha_s + nbytes / bandwidth_Bps)
 
 

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 from . import harness
 from ..compute import memory
-from ..model import apply_rope
 
 SCHEMES = ("contiguous", "zigzag")
 
@@ -273,33 +272,24 @@ def cp_forward(model, idx, positions: list[torch.Tensor], attend, counter: dict 
     """The reference Transformer's forward on this rank's tokens `idx` (B, T/n) -> logits.
 
     Same modules and weights as `model.forward`; what changes: learned positions and RoPE use
-    the tokens' global positions, and attention is the context-parallel `attend`.
+    the tokens' global positions, and each block's attention core is the context-parallel
+    `attend` (its q, k, v projections, RoPE and output projection are the reference's own).
     """
-    rank = dist.get_rank()
-    pos = positions[rank]
+    pos = positions[dist.get_rank()]
     x = model.embed(idx)
     rope = None
     if model.pos is not None:
         x = x + model.pos(pos)
     else:
         rope = (model.rope_cos[pos], model.rope_sin[pos])
-    for block in model.blocks:
-        x = x + _cp_attention(block.attn, block.attn_norm(x), rope, positions, attend, counter)
-        x = x + block.mlp(block.mlp_norm(x))
+    try:
+        for block in model.blocks:  # an instance attribute shadows Attention.core
+            block.attn.core = lambda q, k, v: attend(q, k, v, positions, counter)
+            x = block(x, rope)
+    finally:
+        for block in model.blocks:
+            block.attn.__dict__.pop("core", None)
     return model.head(model.norm(x))
-
-
-def _cp_attention(attn, x, rope, positions, attend, counter):
-    """`model.Attention.forward` with the attention call replaced by a context-parallel one."""
-    B, T, _ = x.shape
-    h, kv, hd = attn.cfg.n_heads, attn.cfg.kv_heads, attn.cfg.dim_head
-    q = attn.q(x).view(B, T, h, hd).transpose(1, 2)
-    k = attn.k(x).view(B, T, kv, hd).transpose(1, 2)
-    v = attn.v(x).view(B, T, kv, hd).transpose(1, 2)
-    if rope is not None:
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    y = attend(q, k, v, positions, counter)
-    return attn.o(y.transpose(1, 2).reshape(B, T, h * hd))
 
 
 def cp_loss(model, x, y, positions, attend, counter=None):

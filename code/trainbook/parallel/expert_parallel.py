@@ -34,6 +34,7 @@ from torch import nn
 from .. import configs
 from ..model import MoE, Transformer
 from . import harness
+from .launch import rank_device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,8 +388,7 @@ def run_ep(spec: EPSetup, measure_memory: bool = False) -> dict:
                          "trainbook.parallel.launch.run(run_ep, nprocs, args=(spec,))")
     rank, world = dist.get_rank(), dist.get_world_size()
     check_moe(spec.n_experts, spec.top_k, world, spec.capacity_factor)
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     model = _ep_model(spec).to(device)
     opt = harness.make_optimizer(spec.data(), model.parameters())
     losses, first, stats, allreduce = [], {}, [], 0

@@ -6,6 +6,9 @@ that puts its tensors on cuda:LOCAL_RANK), calls fn(*args) on every rank and ret
 output in rank order. If a rank raises, the error names the rank and carries its traceback; if
 the job runs past `timeout_s` (a mismatched collective, a deadlock), every process is killed and
 a TimeoutError says so. No chapter or test can hang.
+
+`rank_device()` is the one answer to "where do this rank's tensors live": cuda:LOCAL_RANK
+under NCCL, the CPU under gloo. Every parallel module asks it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank_device() -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK under NCCL (torchrun and `run` set LOCAL_RANK), else
+    the CPU. Call it inside a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("rank_device() needs a process group: run under torchrun or "
+                         "trainbook.parallel.launch.run")
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
 
 
 def _worker(rank, world_size, port, backend, timeout_s, fn, args, kwargs, results):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import harness
+from .launch import rank_device
 
 KINDS = ("fsdp_tp", "hsdp", "pp_fsdp")
 
@@ -42,13 +43,6 @@ def _need_four_ranks() -> int:
     if world != 4:
         raise ValueError(f"the 2 x 2 meshes need 4 ranks, got {world}")
     return world
-
-
-def _device() -> torch.device:
-    """cuda (this rank's GPU) under NCCL, cpu under gloo."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _full(tensors: dict) -> dict[str, torch.Tensor]:
@@ -76,7 +70,7 @@ def _train(setup: harness.Setup, model: nn.Module, rank: int, ranks: int, group)
     opt = harness.make_optimizer(setup, model.parameters())
     losses, first = [], {}
     for step, batch in enumerate(harness.global_batches(setup)):
-        x, y = (t.to(_device()) for t in harness.shard(batch, rank, ranks))
+        x, y = (t.to(rank_device()) for t in harness.shard(batch, rank, ranks))
         _, loss = model(x, y)
         loss.backward()
         if step == 0:
@@ -106,8 +100,8 @@ def run_fsdp_tp(setup: harness.Setup) -> harness.Trace:
     from torch.distributed.tensor.parallel import parallelize_module
 
     _need_four_ranks()
-    mesh = init_device_mesh(_device().type, (2, 2), mesh_dim_names=("dp", "tp"))
-    model = harness.build_model(setup).to(_device())
+    mesh = init_device_mesh(rank_device().type, (2, 2), mesh_dim_names=("dp", "tp"))
+    model = harness.build_model(setup).to(rank_device())
     parallelize_module(model, mesh["tp"], tp_plan(model))  # TP first, then FSDP over dp
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
@@ -122,8 +116,8 @@ def run_hsdp(setup: harness.Setup) -> harness.Trace:
     from torch.distributed.fsdp import fully_shard
 
     world = _need_four_ranks()
-    mesh = init_device_mesh(_device().type, (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = harness.build_model(setup).to(_device())
+    mesh = init_device_mesh(rank_device().type, (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = harness.build_model(setup).to(rank_device())
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -173,19 +167,19 @@ def run_pp_fsdp(setup: harness.Setup, microbatches: int = 2) -> harness.Trace:
     if setup.flavour != "llama":
         raise ValueError("run_pp_fsdp splits an untied model; tied embeddings (gpt2) would "
                          "need their gradient summed across the first and last stage")
-    mesh = init_device_mesh(_device().type, (2, 2), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(rank_device().type, (2, 2), mesh_dim_names=("pp", "dp"))
     p, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    stage_mod = Stage(harness.build_model(setup).to(_device()), p, 2)
+    stage_mod = Stage(harness.build_model(setup).to(rank_device()), p, 2)
     for block in stage_mod.blocks.values():
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(stage_mod, mesh=mesh["dp"])
-    stage = PipelineStage(stage_mod, p, 2, _device(), group=mesh["pp"].get_group())
+    stage = PipelineStage(stage_mod, p, 2, rank_device(), group=mesh["pp"].get_group())
     # scale_grads: gradients are the mean over micro-batches, as one loss over the shard
     schedule = ScheduleGPipe(stage, microbatches, loss_fn=_lm_loss, scale_grads=True)
     opt = harness.make_optimizer(setup, stage_mod.parameters())
     losses, first = [], {}
     for step, batch in enumerate(harness.global_batches(setup)):
-        x, y = (t.to(_device()) for t in harness.shard(batch, d, 2))
+        x, y = (t.to(rank_device()) for t in harness.shard(batch, d, 2))
         if len(x) % microbatches:
             raise ValueError(f"{len(x)} sequences per dp rank do not split into "
                              f"{microbatches} micro-batches")
@@ -194,7 +188,7 @@ def run_pp_fsdp(setup: harness.Setup, microbatches: int = 2) -> harness.Trace:
             schedule.step(x)
         else:
             schedule.step(target=y, losses=mb_losses)
-        loss = torch.stack(mb_losses).mean() if mb_losses else torch.zeros((), device=_device())
+        loss = torch.stack(mb_losses).mean() if mb_losses else torch.zeros((), device=rank_device())
         if step == 0:
             first = _gather_world(_full({n: q.grad for n, q in stage_mod.named_parameters()}))
         opt.step()
@@ -228,25 +222,15 @@ def run(setup: harness.Setup, kind: str) -> harness.Trace:
 def measure_hsdp_rank(cfg, micro_batch: int, seq_len: int, seed: int = 0) -> dict:
     """This rank's peak tensor bytes by category (MemTracker) for one AdamW step under HSDP on
     the 2 x 2 mesh: parameters, gradients and optimizer state sharded over the "shard" pair
-    only, so the per-rank model states are those of FSDP over 2 ranks, not 4."""
+    only, so the per-rank model states are those of FSDP over 2 ranks, not 4. The measurement
+    is `compute.memory_measure.measure_fsdp_rank` with the 2-D mesh."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from ..compute.memory_measure import tracked_peak
-    from ..model import Transformer
+    from ..compute.memory_measure import measure_fsdp_rank
 
     _need_four_ranks()
-    mesh = init_device_mesh(_device().type, (2, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(seed)
-    model = Transformer(cfg).to(_device())
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    g = torch.Generator().manual_seed(seed + dist.get_rank())
-    x = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g)
-    y = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=g)
-    return tracked_peak(model, opt, x.to(_device()), y.to(_device()))
+    mesh = init_device_mesh(rank_device().type, (2, 2), mesh_dim_names=("replicate", "shard"))
+    return measure_fsdp_rank(cfg, micro_batch, seq_len, seed, mesh=mesh)
 
 
 def sweep(setup: harness.Setup, kinds: tuple[str, ...] = KINDS,

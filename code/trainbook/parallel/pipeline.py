@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import harness
+from .launch import rank_device
 
 SCRATCH = ("gpipe", "1f1b")
 NATIVE = ("native-gpipe", "native-1f1b", "native-interleaved", "native-zero-bubble")
@@ -111,11 +112,7 @@ def schedule_order(kind: str, p: int, m: int, stage: int) -> list[tuple[str, int
     return order + [("B", i) for i in range(m - warmup, m)]
 
 
-def device() -> torch.device:
-    """This rank's device: its GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+device = rank_device  # this rank's device: its GPU under NCCL, else the CPU
 
 
 def _sync() -> None:

@@ -15,7 +15,10 @@ chunks cost (attention-kernel efficiency, load balancing), and Llama 3 used CP o
 
 Step time is a roofline-plus-alpha-beta model (`step_time`):
 - compute: the hardware FLOPs of `compute.flops.training_flops` (recomputation included) at an
-  assumed fraction `mfu_matmul` of the dense bf16 peak, split evenly over pipeline stages;
+  assumed fraction `mfu_matmul` of the dense peak of the job's matmul dtype (`matmul_dtype`:
+  bf16 and fp16 jobs use their own peak; an fp32 job runs its matmuls in TF32 on the tensor
+  cores, as PyTorch does with `torch.backends.cuda.matmul.allow_tf32`, so it gets the TF32 peak,
+  or the fp32 peak on a chip without TF32), split evenly over pipeline stages;
 - TP: per layer and micro-batch, 2 all-reduces forward and 2 backward (Megatron; with sequence
   parallelism the same bytes as all-gather + reduce-scatter), 2 more when full recompute replays
   the forward; on the critical path;
@@ -28,7 +31,9 @@ Step time is a roofline-plus-alpha-beta model (`step_time`):
   resharded), over dp x cp ranks, one collective per layer (so latency counts per layer); they
   hide behind one micro-batch's backward (or forward) compute on the stage, times `dp_overlap`;
   the rest is exposed.
-Collectives cost (steps x alpha + bus factor x bytes / bandwidth), ring algorithms. NVLink
+Collectives cost `parallel.collectives.collective_time` (ring steps x alpha + bus factor x bytes /
+bandwidth, the bus factor from `bench.collectives.bus_factor`). Bytes per element come from
+`compute.roofline.BYTES_PER_ELEMENT`; MFU is `compute.flops.utilization`. NVLink
 bandwidth is half the table's bidirectional per-GPU figure; the network is `nic_gbps` per GPU
 (50 GB/s: one 400 Gb/s NIC per GPU).
 
@@ -45,8 +50,9 @@ from dataclasses import asdict, dataclass, field, replace
 from numbers import Integral
 
 from .. import configs, hardware
-from ..bench.collectives import bus_factor
 from ..compute import flops, memory
+from ..compute.roofline import BYTES_PER_ELEMENT
+from .collectives import collective_time
 
 GiB = 2**30
 RECOMPUTE = ("none", "selective", "full")
@@ -105,7 +111,7 @@ class Cluster:
     gpus: int = 8
     gpus_per_node: int = 8
     nic_gbps: float = 50.0  # per GPU, decimal GB/s: one 400 Gb/s NIC per GPU
-    mfu_matmul: float = 0.5  # fraction of the dense bf16 peak the matmuls achieve
+    mfu_matmul: float = 0.5  # fraction of the dense peak (`matmul_dtype`) the matmuls achieve
     alpha_nvlink_s: float = 5e-6  # latency per ring step inside a node
     alpha_net_s: float = 15e-6  # latency per ring step across nodes
     dp_overlap: float = 1.0  # fraction of a micro-batch's compute that can hide DP traffic
@@ -144,6 +150,9 @@ class Job:
     activations: str = "flash"  # "flash" (production kernels) or "reference" (the book's model)
 
     def __post_init__(self):
+        if self.dtype not in memory.PRECISIONS:
+            raise ValueError(f"dtype {self.dtype!r} is unknown; use one of "
+                             f"{', '.join(memory.PRECISIONS)} (fp32, or bf16/fp16 mixed precision)")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"activations {self.activations!r} is unknown; use one of "
                              f"{', '.join(ACTIVATIONS)}")
@@ -302,12 +311,22 @@ def memory_per_rank(layout: Layout, job: Job) -> dict[str, float]:
     return {**terms, "peak": peak, "params_per_rank": b.params_per_rank}
 
 
-def collective_time(op: str, n: int, nbytes: float, alpha_s: float, gbps: float) -> float:
-    """Ring alpha-beta time of one collective on n ranks, S = nbytes per rank's full buffer."""
-    if n == 1:
-        return 0.0
-    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
-    return steps * alpha_s + bus_factor(op, n) * nbytes / (gbps * 1e9)
+def matmul_dtype(job: Job, cluster: Cluster) -> str:
+    """The dtype whose dense peak the job's matmuls run at: bf16 and fp16 as given; fp32 as TF32
+    on tensor cores when the chip has a TF32 peak (PyTorch's `allow_tf32`; A100 and later), else
+    plain fp32 (V100, T4)."""
+    if job.dtype == "fp32":
+        return "tf32" if cluster.spec.tflops.get("tf32") else "fp32"
+    return job.dtype
+
+
+def peak_flops(job: Job, cluster: Cluster) -> float:
+    """Dense peak FLOP/s per GPU for the job's matmuls (`matmul_dtype`)."""
+    return cluster.spec.peak_flops(matmul_dtype(job, cluster))
+
+
+def _collective(op: str, n: int, nbytes: float, alpha_s: float, gbps: float) -> float:
+    return collective_time(op, n, nbytes, alpha_s, gbps * 1e9)
 
 
 def _link(stride: int, size: int, cluster: Cluster) -> tuple[float, float]:
@@ -321,11 +340,10 @@ def _link(stride: int, size: int, cluster: Cluster) -> tuple[float, float]:
 def step_time(layout: Layout, job: Job, cluster: Cluster) -> dict[str, float]:
     """Estimated seconds of one optimizer step, by term, and "total" (see the module docstring)."""
     cfg, L = job.model, layout
-    e = 2 if job.dtype in ("bf16", "fp16") else 4  # bytes per element on the wire
+    e = BYTES_PER_ELEMENT[job.dtype]  # bytes per element on the wire
     s, mb = job.seq_len, L.micro_batch
     m = job.sequences // (L.dp * mb)  # micro-batches per replica per step
-    peak = cluster.spec.peak_flops("bf16" if job.dtype == "fp32" else job.dtype)
-    rate = peak * cluster.mfu_matmul
+    rate = peak_flops(job, cluster) * cluster.mfu_matmul
 
     # compute of one micro-batch on one stage (forward + backward, recomputation included)
     hw = flops.training_flops(cfg, s, L.recompute)["total"] * mb
@@ -337,20 +355,20 @@ def step_time(layout: Layout, job: Job, cluster: Cluster) -> dict[str, float]:
     a_tp, bw_tp = _link(1, L.tp, cluster)
     act = mb * s / L.cp * cfg.d_model * e
     n_ar = 6 if L.recompute == "full" else 4
-    t_tp = layers * n_ar * collective_time("all_reduce", L.tp, act, a_tp, bw_tp)
+    t_tp = layers * n_ar * _collective("all_reduce", L.tp, act, a_tp, bw_tp)
 
     # CP: all-gather K and V forward, reduce-scatter their gradients backward
     a_cp, bw_cp = _link(L.tp, L.cp, cluster)
     kv = 2 * mb * s * cfg.kv_heads / L.tp * cfg.dim_head * e
     n_cp = 3 if L.recompute == "full" else 2
-    t_cp = layers * n_cp * collective_time("all_gather", L.cp, kv, a_cp, bw_cp)
+    t_cp = layers * n_cp * _collective("all_gather", L.cp, kv, a_cp, bw_cp)
 
     # EP: dispatch and combine all-to-alls, forward and backward (ranks carved out of dp)
     t_ep = 0.0
     if L.ep > 1:
         a_ep, bw_ep = _link(L.tp * L.cp * L.pp, L.ep, cluster)
         tokens = mb * s / L.cp / L.tp * cfg.top_k * cfg.d_model * e
-        t_ep = layers * 4 * collective_time("all_to_all", L.ep, tokens, a_ep, bw_ep)
+        t_ep = layers * 4 * _collective("all_to_all", L.ep, tokens, a_ep, bw_ep)
 
     # PP: one send forward and one backward per micro-batch and virtual stage
     t_p2p = 0.0
@@ -369,8 +387,8 @@ def step_time(layout: Layout, job: Job, cluster: Cluster) -> dict[str, float]:
     span = L.tp * L.cp if L.dp == 1 else L.gpus
     a_dp, bw_dp = _link(1, span, cluster)
     unit = params * e / layers
-    grads = layers * collective_time("reduce_scatter", n_dp, unit, a_dp, bw_dp)
-    gather = layers * collective_time("all_gather", n_dp, unit, a_dp, bw_dp)
+    grads = layers * _collective("reduce_scatter", n_dp, unit, a_dp, bw_dp)
+    gather = layers * _collective("all_gather", n_dp, unit, a_dp, bw_dp)
     w_b = cluster.dp_overlap * (t_comp - t_fwd)  # one micro-batch's backward on this stage
     w_f = cluster.dp_overlap * t_fwd
     if L.zero == 3:  # weights gathered for every micro-batch's forward and backward
@@ -407,8 +425,7 @@ def evaluate(layout: Layout, job: Job, cluster: Cluster) -> Plan:
     model_flops = flops.training_flops(job.model, job.seq_len)["total"] * job.sequences
     plan.step_s = t["total"]
     plan.tokens_per_s_per_gpu = job.global_batch_tokens / t["total"] / cluster.gpus
-    plan.mfu = model_flops / (t["total"] * cluster.gpus * cluster.spec.peak_flops(
-        "bf16" if job.dtype == "fp32" else job.dtype))
+    plan.mfu = flops.utilization(model_flops, t["total"], peak_flops(job, cluster), cluster.gpus)
     plan.hfu = plan.mfu * flops.training_flops(job.model, job.seq_len, layout.recompute)["total"] \
         / flops.training_flops(job.model, job.seq_len)["total"]
     plan.breakdown = t

@@ -33,9 +33,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..bench.collectives import bus_factor
 from ..configs import ModelConfig
-from ..model import Attention, Transformer, apply_rope
+from ..model import Attention, Transformer
 from . import harness
+from .launch import rank_device
 
 KINDS = ("scratch", "scratch_sp", "dtensor", "dtensor_sp")
 # CommDebugMode's op names (c10d ops for plain dist calls, functional ones for DTensor)
@@ -110,8 +112,9 @@ class Comm:
 
 
 def wire_bytes(op: str, nbytes: float, n: int) -> float:
-    """Bytes each rank sends in a ring collective over n ranks on a tensor of nbytes."""
-    return (2 if op == "all_reduce" else 1) * (n - 1) / n * nbytes
+    """Bytes each rank sends in a ring collective over n ranks on a tensor of nbytes:
+    `bench.collectives.bus_factor` x nbytes (2(n-1)/n for all-reduce, (n-1)/n otherwise)."""
+    return bus_factor(op, n) * nbytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,32 +227,20 @@ class RowParallelLinear(nn.Module):
         return z + self.bias if self.bias is not None else z
 
 
-class TPAttention(nn.Module):
+class TPAttention(Attention):
     """Attention with this rank's n_heads / tp query heads and n_kv_heads / tp key/value heads:
     q, k, v column-parallel (whole heads), o row-parallel. Heads never talk to each other, so
-    the attention itself needs no communication."""
+    the attention itself needs no communication: the reference forward runs unchanged (it reads
+    the head counts from the projections' widths)."""
 
     def __init__(self, attn: Attention, comm: Comm):
-        super().__init__()
-        cfg = attn.cfg
-        self.comm, self.hd = comm, cfg.dim_head
-        self.h, self.kv = cfg.n_heads // comm.tp, cfg.kv_heads // comm.tp
+        nn.Module.__init__(self)  # the layers come from `attn`, sliced, not freshly made
+        self.cfg, self.comm = attn.cfg, comm
         self.q, self.k, self.v = (ColumnParallelLinear(m, comm) for m in (attn.q, attn.k, attn.v))
         self.o = RowParallelLinear(attn.o, comm)
 
     def forward(self, x, rope=None):
-        x = enter_tp(x, self.comm)
-        B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.h, self.hd).transpose(1, 2)
-        k = self.k(x).view(B, T, self.kv, self.hd).transpose(1, 2)
-        v = self.v(x).view(B, T, self.kv, self.hd).transpose(1, 2)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if self.kv != self.h:  # the same query-to-kv grouping as the reference, rank-local
-            k = k.repeat_interleave(self.h // self.kv, dim=1)
-            v = v.repeat_interleave(self.h // self.kv, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(B, T, self.h * self.hd))
+        return super().forward(enter_tp(x, self.comm), rope)
 
 
 class TPMLP(nn.Module):
@@ -485,26 +476,6 @@ def theory_counts(cfg: ModelConfig, sp: bool, batch: int, seq_len: int) -> list[
 # Native: DTensor parallelize_module
 # ---------------------------------------------------------------------------------------------
 
-class LocalHeadsAttention(Attention):
-    """The reference Attention, reading its head counts from the projections' output size, so
-    it works on the local (per-rank) q, k, v that ColwiseParallel returns. Same parameters."""
-
-    def forward(self, x, rope=None):
-        B, T, _ = x.shape
-        hd = self.cfg.dim_head
-        q, k, v = self.q(x), self.k(x), self.v(x)
-        h, kv = q.shape[-1] // hd, k.shape[-1] // hd
-        q = q.view(B, T, h, hd).transpose(1, 2)
-        k = k.view(B, T, kv, hd).transpose(1, 2)
-        v = v.view(B, T, kv, hd).transpose(1, 2)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv != h:
-            k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(B, T, h * hd))
-
-
 def tp_plan(model: Transformer, sp: bool, shared_input: bool = True) -> dict:
     """The parallelize_module plan for the reference model: module name -> ParallelStyle.
     shared_input=False leaves each Colwise layer to convert its own input (TP only)."""
@@ -549,9 +520,7 @@ def parallelize_dtensor(model: Transformer, sp: bool = False, shared_input: bool
 
     tp = dist.get_world_size()
     check_divisible(model.cfg, tp)
-    mesh = init_device_mesh(_device().type, (tp,))
-    for block in model.blocks:
-        block.attn.__class__ = LocalHeadsAttention  # local head counts (see the class)
+    mesh = init_device_mesh(rank_device().type, (tp,))
     parallelize_module(model, mesh, tp_plan(model, sp, shared_input))
     if model.cfg.tied:  # parallelize_module replaced head and embedding weights separately
         model.head.weight = model.embed.weight
@@ -562,13 +531,6 @@ def parallelize_dtensor(model: Transformer, sp: bool = False, shared_input: bool
 # Training runs, counted and measured
 # ---------------------------------------------------------------------------------------------
 
-def _device() -> torch.device:
-    """This rank's GPU under NCCL, else the CPU (gloo)."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _build(setup: harness.Setup, kind: str, shared_input: bool = True):
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -577,7 +539,7 @@ def _build(setup: harness.Setup, kind: str, shared_input: bool = True):
                          "trainbook.parallel.launch.run")
     tp, sp = dist.get_world_size(), kind.endswith("_sp")
     check_divisible(setup.model_config(), tp, setup.seq_len, sp)
-    model = harness.build_model(setup).to(_device())
+    model = harness.build_model(setup).to(rank_device())
     if kind.startswith("scratch"):
         comm = Comm(tp, dist.get_rank(), sp)
         return TPTransformer(model, comm), comm
@@ -632,7 +594,7 @@ def run_tp(setup: harness.Setup, kind: str = "scratch", measure_memory: bool = F
     step = _step_fn(comm)
     losses, first, counts, observed, in_optimizer = [], {}, None, {}, {}
     for i, (x, y) in enumerate(harness.global_batches(setup)):
-        x, y = x.to(_device()), y.to(_device())
+        x, y = x.to(rank_device()), y.to(rank_device())
         if i == 0:  # count the first step's collectives and keep its full gradients
             mode = CommDebugMode()
             with mode, warnings.catch_warnings():
@@ -655,7 +617,7 @@ def run_tp(setup: harness.Setup, kind: str = "scratch", measure_memory: bool = F
            "in_optimizer": in_optimizer, "rank": dist.get_rank()}
     if measure_memory:
         from ..compute.memory_measure import tracked_peak
-        x, y = (t.to(_device()) for t in harness.global_batches(setup)[0])
+        x, y = (t.to(rank_device()) for t in harness.global_batches(setup)[0])
         out["memory"] = tracked_peak(model, opt, x, y, step=step)
     return out
 

@@ -39,7 +39,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..bench.collectives import bus_factor
 from . import harness
+from .launch import rank_device
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 KINDS = ("ddp", "zero1", "zero2", "zero3", "zero_redundancy_optimizer", "fsdp2")
@@ -246,8 +248,9 @@ class CommCounter(TorchDispatchMode):
 
 
 def wire_bytes(collective_bytes: float, world: int) -> float:
-    """Bytes each rank sends in a ring reduce-scatter or all-gather of a tensor of this size."""
-    return collective_bytes * (world - 1) / world
+    """Bytes each rank sends in a ring reduce-scatter or all-gather of a tensor of this size:
+    `bench.collectives.bus_factor` ((world - 1) / world) x the size."""
+    return bus_factor("all_gather", world) * collective_bytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,9 +294,14 @@ class _Prepared:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                 if mixed_precision else MixedPrecisionPolicy()
+            from torch.distributed.device_mesh import init_device_mesh
+            # an explicit mesh on this rank's device: the default one follows the accelerator
+            # (cuda when a GPU is visible), whatever the process group's backend
+            mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
             for block in model.blocks:
-                fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                            mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
             self.model, self.optimizer = model, make_opt(model.parameters())
 
     def step(self, x, y, keep_grads: bool = False, comm: CommCounter | None = None):

@@ -1,1 +1,0 @@
-"""Compute and economics: FLOPs, memory, cost, scaling laws (Part 1 of the book)."""
