@@ -18,3 +18,10 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hf_dir():
     return ROOT / "tests" / "data" / "hf"
+
+
+def pytest_report_header(config):
+    """The machine's class in every test log: whether bf16 is native here or emulated."""
+    from trainbook.bench import lowp
+
+    return f"trainbook machine: {lowp.machine_line()}"

@@ -61,7 +61,7 @@ def test_cpu_peak_is_measured():
 
 def test_measure_rejects_tiny_sizes():
     with pytest.raises(ValueError, match="too small"):
-        hardware.measure_matmul_tflops("fp32", size=4)
+        hardware.measure_matmul_tflops("fp32", sizes=(4,))
 
 
 def test_table_rows():

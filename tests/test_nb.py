@@ -16,6 +16,8 @@ def test_setup_prints_device_dtype_size(capsys, monkeypatch):
     ctx = nb.setup(seed=3)
     out = capsys.readouterr().out
     assert "device cpu" in out and "dtype fp32" in out and "size small" in out
+    assert "bf16" in out and ctx.machine in out  # the CPU's bf16 class and measured speed
+    assert ctx.matmul_dtype in ("fp32", "bf16")
     assert ctx.pick(1, 2) == 1
 
 

@@ -1,7 +1,11 @@
 """Notebook helpers: the standard setup, the size policy, showing package source, plot style.
 
 Size policy: every chapter runs "small" on a CPU (and in CI) and "large" on a GPU. The
-environment variable TRAINBOOK_SIZE=small|large overrides the choice.
+environment variable TRAINBOOK_SIZE=small|large overrides the choice. On a CPU, `setup()` also
+measures whether bf16 is native or emulated here (about 150x slower than fp32 when emulated;
+TRAINBOOK_SLOW_LOWP=1 forces the slow path) and says so: `ctx.matmul_dtype` is the dtype that
+throughput cells should measure in, and `ctx.lowp_emulated` tells cells to keep low-precision
+work small.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ class Context:
     size: str
     dtype: str
     seed: int
+    matmul_dtype: str = "fp32"  # the fastest matmul dtype here (measured on a CPU)
+    lowp_emulated: bool = False  # bf16/fp16 run through a slow emulation on this CPU
+    machine: str = ""  # what setup() found: GPU name, or CPU threads and its bf16 class
 
     def pick(self, small, large):
         """The small or the large variant of a setting, by the size policy."""
@@ -61,14 +68,22 @@ def setup(seed: int = 0, quiet: bool = False) -> Context:
             native_bf16 = torch.cuda.is_bf16_supported()
         dtype = "bf16" if native_bf16 else "fp16"
         where = torch.cuda.get_device_name(0)
+        matmul_dtype, emulated = dtype, False
     else:
+        from .bench import lowp
+
         device, dtype = "cpu", "fp32"
-        where = f"CPU, {torch.get_num_threads()} threads"
+        lp = lowp.probe()
+        matmul_dtype, emulated = lp.fastest, lp.emulated("bf16")
+        where = f"CPU, {torch.get_num_threads()} threads, {lp.describe()}"
     plot_style()
     if not quiet:
         print(f"trainbook: device {device} ({where}), dtype {dtype}, size {size}, "
               f"seed {seed}, torch {torch.__version__}")
-    return Context(device, size, dtype, seed)
+        if emulated:
+            print("trainbook: bf16/fp16 are emulated on this CPU: low-precision cells use small "
+                  f"shapes, and throughput cells measure in {matmul_dtype}")
+    return Context(device, size, dtype, seed, matmul_dtype, emulated, where)
 
 
 def show_source(obj) -> None:

@@ -226,10 +226,18 @@ def _operands(m, n, k, dtype: str, device):
 
 
 def time_matmul(m: int, n: int, k: int, dtype: str = "fp32", device="cpu", repeats: int = 10,
-                warmup: int = 2, flush=None, timer: Timer | None = None) -> ShapeResult:
-    """Time `repeats` matmuls of (m, k) @ (k, n), flushing the cache before each."""
+                warmup: int = 2, flush=None, timer: Timer | None = None,
+                budget_s: float | None = None) -> ShapeResult:
+    """Time `repeats` matmuls of (m, k) @ (k, n), flushing the cache before each.
+
+    With `budget_s`, timed repeats stop once that many seconds are spent (at least one runs):
+    the same call then costs about the same time on a CPU that emulates bf16 as on one that
+    has it natively, with fewer repeats on the slow one.
+    """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    if budget_s is not None and budget_s <= 0:
+        raise ValueError(f"budget_s must be > 0 seconds, got {budget_s}")
     device = torch.device(device)
     timer = timer or Timer(device)
     flush = flush or (lambda: None)
@@ -241,13 +249,30 @@ def time_matmul(m: int, n: int, k: int, dtype: str = "fp32", device="cpu", repea
             matmul()
         timer.sync()
         times = []
-        for _ in range(repeats):
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        while len(times) < repeats and (deadline is None or not times
+                                         or time.perf_counter() < deadline):
             flush()
             timer.sync()
             times.append(timer(matmul))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32_before
     return ShapeResult(m, n, k, dtype, times)
+
+
+def probe_tflops(dtype: str = "fp32", device="cpu", seconds: float = 0.05,
+                 size: int = 256) -> float:
+    """The best rate of `size`-cube matmuls over `seconds`: a yardstick to size work by.
+
+    A 256-cube matmul takes about 15 ms where bf16 is emulated (about 2 GFLOPS) and well under
+    a millisecond where it is native, so the probe is cheap on both kinds of CPU.
+    """
+    dev = resolve_device(str(device))
+    dtype = check_dtype(dtype, dev)
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    r = time_matmul(size, size, size, dtype, dev, repeats=10**6, warmup=1, budget_s=seconds)
+    return r.max_tflops
 
 
 # ---- the sweep ---------------------------------------------------------------------------------
@@ -263,6 +288,8 @@ class Sweep:
     device_name: str
     interrupted: bool = False
     output: str | None = None
+    budget_s: float | None = None
+    skipped: list[tuple[int, int, int]] = field(default_factory=list)
 
     def best(self, stat: str = "max") -> ShapeResult:
         """The shape with the highest `stat` TFLOPS (stat: mean, median or max)."""
@@ -276,7 +303,8 @@ class Sweep:
         """Best shape per statistic, and how much of the sweep ran."""
         out = {"dtype": self.dtype, "device": self.device, "device_name": self.device_name,
                "measured": len(self.results), "planned": self.planned,
-               "interrupted": self.interrupted, "output": self.output}
+               "interrupted": self.interrupted, "output": self.output,
+               "budget_s": self.budget_s, "skipped": len(self.skipped)}
         if self.results:
             for stat in ("mean", "median", "max"):
                 r = self.best(stat)
@@ -315,9 +343,14 @@ def metadata(device: torch.device, dtype: str, command: str | None = None) -> di
 
 def sweep(shapes, dtype: str = "bf16", device: str = "auto", repeats: int = 10, warmup: int = 2,
           flush_bytes: int | None = None, output: str | os.PathLike | None = None,
-          progress: bool = True, command: str | None = None, timer: Timer | None = None) -> Sweep:
+          progress: bool = True, command: str | None = None, timer: Timer | None = None,
+          budget_s: float | None = None) -> Sweep:
     """Time every shape; append each result to `output` (JSON lines) as it is measured.
 
+    With `budget_s`, the sweep first probes this dtype's rate (`probe_tflops`), skips every shape
+    whose warmup and one repeat would not fit in what is left of the budget, and gives each shape
+    an equal share of the rest for its repeats: a sweep sized for a CPU with native bf16 then
+    ends in time on one that emulates it, and says how many shapes it measured.
     Ctrl-C (KeyboardInterrupt) stops the sweep and returns what was measured, marked interrupted.
     """
     shapes = list(shapes)
@@ -327,25 +360,41 @@ def sweep(shapes, dtype: str = "bf16", device: str = "auto", repeats: int = 10, 
     dtype = check_dtype(dtype, dev)
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need --repeats >= 1 and --warmup >= 0, got {repeats} and {warmup}")
+    if budget_s is not None and budget_s <= 0:
+        raise ValueError(f"the time budget must be > 0 seconds, got {budget_s}")
     if dtype == "fp8" and any(d % 16 for shape in shapes for d in shape):
         raise ValueError("fp8 matmuls (torch._scaled_mm) need m, n and k divisible by 16")
     flush = CacheFlusher(dev, default_flush_bytes(dev) if flush_bytes is None else flush_bytes)
     timer = timer or Timer(dev)
     result = Sweep([], len(shapes), dtype, str(dev), device_name(dev),
-                   output=str(output) if output else None)
+                   output=str(output) if output else None, budget_s=budget_s)
     sink = None
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         sink = open(output, "a")
         meta = metadata(dev, dtype, command)
-        meta.update(repeats=repeats, warmup=warmup, flush_bytes=flush.nbytes, planned=len(shapes))
+        meta.update(repeats=repeats, warmup=warmup, flush_bytes=flush.nbytes, planned=len(shapes),
+                    budget_s=budget_s)
         sink.write(json.dumps(meta) + "\n")
+    deadline = None
+    if budget_s is not None:
+        rate = probe_tflops(dtype, dev) * 1e12  # FLOP/s, updated from each measured shape
+        deadline = time.perf_counter() + budget_s
     from tqdm.auto import tqdm
     bar = tqdm(shapes, desc=f"mamf {dtype}", disable=not progress, unit="shape")
     try:
-        for m, n, k in bar:
-            r = time_matmul(m, n, k, dtype, dev, repeats, warmup, flush, timer)
+        for i, (m, n, k) in enumerate(bar):
+            shape_budget = None
+            if deadline is not None:
+                left, one = deadline - time.perf_counter(), 2 * m * n * k / rate
+                if (warmup + 1) * one > left:
+                    result.skipped.append((m, n, k))
+                    continue
+                shape_budget = max(left / (len(shapes) - i) - warmup * one, one)
+            r = time_matmul(m, n, k, dtype, dev, repeats, warmup, flush, timer, shape_budget)
             result.results.append(r)
+            if deadline is not None:
+                rate = r.flops / statistics.median(r.times_s)
             if sink:
                 sink.write(json.dumps({"kind": "shape", **r.to_dict()}) + "\n")
                 sink.flush()
@@ -377,11 +426,16 @@ def read_results(path: str | os.PathLike) -> tuple[dict, list[dict]]:
 
 
 def peak_tflops(dtype: str = "bf16", device: str = "auto", sizes=None, repeats: int = 5,
-                progress: bool = False, small: bool = True) -> Sweep:
-    """A quick MAMF: square shapes around the sizes this device likes (a few seconds on a CPU)."""
+                progress: bool = False, small: bool = True,
+                budget_s: float | None = None) -> Sweep:
+    """A quick MAMF: square shapes around the sizes this device likes (a few seconds on a CPU,
+    within `budget_s`, 2 s by default there, whether or not the CPU has native bf16)."""
     dev = resolve_device(device)
     if sizes is None:
         sizes = [1024, 2048] if dev.type == "cpu" else [4096, 8192, 12288, 16384]
+    if budget_s is None and dev.type == "cpu":
+        budget_s = 2.0
     shapes = [(s, s, s) for s in sizes]
     flush = default_flush_bytes(dev, small=small)
-    return sweep(shapes, dtype, str(dev), repeats, warmup=1, flush_bytes=flush, progress=progress)
+    return sweep(shapes, dtype, str(dev), repeats, warmup=1, flush_bytes=flush, progress=progress,
+                 budget_s=budget_s)

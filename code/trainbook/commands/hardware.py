@@ -10,20 +10,25 @@ HELP = "the accelerator spec table: dense peak TFLOPS per dtype, memory, bandwid
 
 def add_arguments(p):
     p.add_argument("--measure-cpu", action="store_true",
-                   help="also measure this CPU's fp32/bf16 matmul peak (takes about a second)")
+                   help="also measure this CPU's fp32/bf16 matmul peak (about a second) and say "
+                        "whether bf16 is native or emulated here")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args) -> int:
     rows = hardware.table()
     if args.measure_cpu:
+        from ..bench import lowp
         cpu = hardware.cpu_spec()
         rows.append({"name": "cpu (this machine)", "vendor": "measured",
-                     **{f"{d} TFLOPS": cpu.tflops[d] for d in hardware.DTYPES}, "source": cpu.source})
+                     **{f"{d} TFLOPS": cpu.tflops[d] for d in hardware.DTYPES},
+                     "source": f"{cpu.source}; bf16 class: {lowp.cpu_class()}"})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(table(rows, [c for c in rows[0] if c != "source"]))
+    if args.measure_cpu:
+        print(f"\nthis machine: {lowp.machine_line()}")
     print("\nDense peaks (vendor sheets often print 2:4-sparse numbers, 2x these). Sources:")
     for r in rows:
         print(f"  {r['name']}: {r['source']}")

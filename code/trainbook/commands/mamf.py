@@ -35,6 +35,9 @@ def add_arguments(p):
     p.add_argument("--flush-mib", type=float, default=None,
                    help="cache-flush buffer written before every timed matmul, MiB (default: "
                         "256 on GPU, 2x the last-level cache capped at 256 on CPU; 32 quick)")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="time budget: probe the dtype's speed first, skip shapes that would not "
+                        "fit, and say how many were measured (for CPUs that emulate bf16/fp16)")
     p.add_argument("--quick", action="store_true",
                    help="fewer repeats and a small flush: a first look in seconds")
     p.add_argument("--output", metavar="FILE",
@@ -82,22 +85,29 @@ def run(args) -> int:
         raise ValueError(f"--flush-mib must be >= 0, got {args.flush_mib}")
     flush = (int(args.flush_mib * 2**20) if args.flush_mib is not None
              else matmul.default_flush_bytes(device, small=args.quick))
+    if args.budget is not None and args.budget <= 0:
+        raise ValueError(f"--budget must be > 0 seconds, got {args.budget}")
     command = _command_line(args)
     result = matmul.sweep(shapes, args.dtype, str(device), repeats, warmup, flush, args.output,
-                          progress=not (args.no_progress or args.json), command=command)
+                          progress=not (args.no_progress or args.json), command=command,
+                          budget_s=args.budget)
     summary = result.summary()
     if args.json:
         print(json.dumps({"summary": summary, "rows": result.rows()}, indent=2))
         return 130 if result.interrupted else 0
     if result.interrupted:
         print(f"interrupted: {summary['measured']} of {summary['planned']} shapes measured")
+    if result.skipped:
+        print(f"time budget {args.budget:g} s: {summary['measured']} of {summary['planned']} "
+              f"shapes measured, {len(result.skipped)} skipped as too slow to fit")
     if not result.results:
-        print("nothing measured")
-        return 130
+        print("nothing measured" + (": give a larger --budget" if result.skipped else ""))
+        return 130 if result.interrupted else 1
     rows = sorted(result.rows(), key=lambda r: -r["max_tflops"])[:args.top]
     cols = ["m", "n", "k", "mean_tflops", "median_tflops", "max_tflops", "median_ms"]
     print(f"{summary['device_name']}, {summary['dtype']}: {summary['measured']} shapes, "
-          f"{repeats} repeats each, {flush / 2**20:g} MiB cache flush")
+          f"{'up to ' if args.budget else ''}{repeats} repeats each, "
+          f"{flush / 2**20:g} MiB cache flush")
     print(table(rows, cols))
     print("best:")
     for stat in ("mean", "median", "max"):
