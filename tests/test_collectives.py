@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from trainbook.bench import collectives as bench
-from trainbook.parallel import collectives, launch
+from trainbook import launch
+from trainbook.parallel import collectives
 
 
 @pytest.mark.parametrize("text, nbytes", [("4096", 4096), ("1KiB", 1024), ("64MiB", 64 * 2**20),

@@ -1,7 +1,8 @@
 import pytest
 
 from trainbook.parallel import data_parallel as dp
-from trainbook.parallel import harness, launch
+from trainbook import launch
+from trainbook.parallel import harness
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from trainbook import configs
 from trainbook.model import MoE
 from trainbook.parallel import expert_parallel as ep
-from trainbook.parallel import harness, launch
+from trainbook import launch
+from trainbook.parallel import harness
 
 
 def test_layer_forward_and_backward_exact_on_two_and_four_ranks():

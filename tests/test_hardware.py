@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from trainbook import hardware
+from trainbook.bench import peak
 
 
 def test_every_row_has_every_dtype_and_a_source():
@@ -53,15 +54,15 @@ def test_unknown_gpu_names_match_nothing(device_name):
 
 
 def test_cpu_peak_is_measured():
-    cpu = hardware.detect("cpu")
+    cpu = peak.detect("cpu")
     assert cpu.measured and "measured" in cpu.source
     assert 1e-4 < cpu.tflops["fp32"] < 100  # TFLOPS: a real CPU, not a typo
-    assert hardware.detect("cpu") is cpu  # cached per process
+    assert peak.detect("cpu") is cpu  # cached per process
 
 
 def test_measure_rejects_tiny_sizes():
     with pytest.raises(ValueError, match="too small"):
-        hardware.measure_matmul_tflops("fp32", sizes=(4,))
+        peak.measure_matmul_tflops("fp32", sizes=(4,))
 
 
 def test_table_rows():
@@ -74,4 +75,4 @@ def test_ridge_point():
     h100 = hardware.get("h100-sxm")
     assert h100.ridge_point("bf16") == pytest.approx(989.4e12 / 3350e9)
     with pytest.raises(ValueError, match="no memory bandwidth"):
-        hardware.cpu_spec().ridge_point("fp32")
+        peak.cpu_spec().ridge_point("fp32")

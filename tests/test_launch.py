@@ -3,7 +3,7 @@ import time
 import pytest
 
 import dist_fns
-from trainbook.parallel import launch
+from trainbook import launch
 
 
 def test_results_and_output_in_rank_order():

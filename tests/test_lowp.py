@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from trainbook import hardware
-from trainbook.bench import lowp, matmul
+from trainbook.bench import lowp, matmul, peak
 
 
 def test_cpu_class_from_flags():
@@ -75,7 +74,7 @@ def test_budgeted_time_matmul_runs_at_least_once():
 def test_peak_measurement_fits_its_budget_on_either_kind():
     for dtype in ("fp32", "bf16"):
         t0 = time.perf_counter()
-        tflops = hardware.measure_matmul_tflops(dtype, "cpu", budget_s=0.3)
+        tflops = peak.measure_matmul_tflops(dtype, "cpu", budget_s=0.3)
         assert tflops > 0 and time.perf_counter() - t0 < 5
     with pytest.raises(ValueError, match="budget_s must be > 0"):
-        hardware.measure_matmul_tflops("fp32", budget_s=0)
+        peak.measure_matmul_tflops("fp32", budget_s=0)

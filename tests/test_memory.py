@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from trainbook import configs
 from trainbook.__main__ import main
 from trainbook.compute import memory as M
-from trainbook.compute import memory_measure as mm
-from trainbook.parallel.launch import run
+from trainbook.bench import memory_measure as mm
+from trainbook.launch import run
 
 TINY = configs.get("tiny-llama").with_(vocab_size=1024)
 B, S = 8, 64

@@ -2,7 +2,8 @@ import pytest
 
 from trainbook import configs
 from trainbook.compute import memory
-from trainbook.parallel import harness, launch, mesh
+from trainbook import launch
+from trainbook.parallel import harness, mesh
 
 
 def test_three_2d_meshes_match_single_process_on_4_ranks():

@@ -2,7 +2,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainbook.parallel import harness, launch
+from trainbook import launch
+from trainbook.parallel import harness
 from trainbook.parallel import pipeline as pp
 
 SETUP = harness.Setup(n_layers=4, steps=2)  # 4 layers: 2 stages, or 2 ranks x 2 chunks

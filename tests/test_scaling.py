@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from trainbook import datasets
 from trainbook.__main__ import main
 from trainbook.compute import scaling
+from trainbook.pretrain.sweeps import train_sweep
 
 EPOCH = scaling.FITS["epoch"]
 
@@ -272,9 +273,9 @@ def test_isoflop_and_grouping():
 
 
 def test_train_sweep_rows_and_histories():
-    df, hist = scaling.train_sweep([(16, 1)], [4, 8], device="cpu", eval_batches=1)
+    df, hist = train_sweep([(16, 1)], [4, 8], device="cpu", eval_batches=1)
     assert list(df.steps) == [4, 8] and set(hist) == {(16, 1, 4), (16, 1, 8)}
     assert (df.D == df.steps * 16 * 64).all() and (df.C == 6 * df.N * df.D).all()
     assert (df.N > df.N_nonembed).all() and len(hist[(16, 1, 8)]) == 8
     with pytest.raises(ValueError, match="at least one"):
-        scaling.train_sweep([], [4])
+        train_sweep([], [4])

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainbook.parallel import harness, launch
+from trainbook import launch
+from trainbook.parallel import harness
 from trainbook.parallel import tensor_parallel as tp
 
 

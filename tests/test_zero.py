@@ -1,6 +1,7 @@
 import pytest
 
-from trainbook.parallel import harness, launch, zero
+from trainbook import launch
+from trainbook.parallel import harness, zero
 
 # The memory experiment: a model whose states (16 bytes per parameter with fp32 AdamW) dwarf the
 # activations of one sequence per rank, so the stages' differences are visible.

@@ -49,7 +49,7 @@ def rank_device() -> torch.device:
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("rank_device() needs a process group: run under torchrun or "
-                         "trainbook.parallel.launch.run")
+                         "trainbook.launch.run")
     if dist.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import configs, hardware
+from . import configs
+from .bench import peak as peak_of
 from .compute.flops import training_flops_per_token, utilization
 from .data import ShardedLoader, build_dataset, make_tokenizer
 from .model import Transformer
@@ -288,7 +289,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     flops_per_token = training_flops_per_token(mcfg, cfg.seq_len)
     key = peak_dtype(cfg, device)
-    spec = hardware.detect(device, key)
+    spec = peak_of.detect(device, key)
     peak = spec.peak_flops(key)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * ddp.world_size
 

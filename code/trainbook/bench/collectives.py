@@ -28,7 +28,7 @@ from numbers import Integral
 import torch
 import torch.distributed as dist
 
-from ..parallel.launch import rank_device
+from ..launch import rank_device
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
@@ -142,7 +142,7 @@ def benchmark(ops=OPS, sizes=(2**10, 2**16, 2**20), iters: int = 10, warmup: int
     """One row per (op, payload): time, algbw and busbw. Call on every rank of a process group."""
     if not dist.is_initialized():
         raise ValueError("benchmark() runs inside a process group: use torchrun, or "
-                         "trainbook.parallel.launch.run(benchmark, nprocs=N)")
+                         "trainbook.launch.run(benchmark, nprocs=N)")
     for op in ops:
         bus_factor(op, 2)  # validates the name
     if iters < 1 or warmup < 0:

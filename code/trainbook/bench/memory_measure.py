@@ -8,7 +8,7 @@ backward, gradient clipping, AdamW, `zero_grad(set_to_none=True)`. One step runs
 tracked one, so the optimizer state exists: the tracked step is a steady-state step.
 
 `measure_step` runs in this process; `measure_fsdp_rank` runs on every rank under
-`trainbook.parallel.launch.run` with the model wrapped by FSDP2 `fully_shard` (each block, then
+`trainbook.launch.run` with the model wrapped by FSDP2 `fully_shard` (each block, then
 the root), and returns that rank's peak.
 """
 
@@ -102,11 +102,11 @@ def measure_fsdp_rank(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: in
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ..parallel.launch import rank_device
+    from ..launch import rank_device
 
     if not dist.is_initialized():
         raise ValueError("measure_fsdp_rank runs inside a process group: use "
-                         "trainbook.parallel.launch.run(measure_fsdp_rank, nprocs, args=...)")
+                         "trainbook.launch.run(measure_fsdp_rank, nprocs, args=...)")
     device = rank_device()
     if mesh is None:  # explicit: the default mesh follows the accelerator, not the process group
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))

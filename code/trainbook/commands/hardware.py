@@ -3,6 +3,7 @@
 import json
 
 from .. import hardware
+from ..bench import peak
 from ..report import table
 
 HELP = "the accelerator spec table: dense peak TFLOPS per dtype, memory, bandwidth, sources"
@@ -19,7 +20,7 @@ def run(args) -> int:
     rows = hardware.table()
     if args.measure_cpu:
         from ..bench import lowp
-        cpu = hardware.cpu_spec()
+        cpu = peak.cpu_spec()
         rows.append({"name": "cpu (this machine)", "vendor": "measured",
                      **{f"{d} TFLOPS": cpu.tflops[d] for d in hardware.DTYPES},
                      "source": f"{cpu.source}; bf16 class: {lowp.cpu_class()}"})

@@ -134,7 +134,7 @@ def causal_work(seq_len: int, cp: int, scheme: str = "contiguous") -> list[int]:
 def _group_info():
     if not dist.is_initialized():
         raise ValueError("context-parallel attention needs a process group: run under torchrun "
-                         "or trainbook.parallel.launch.run")
+                         "or trainbook.launch.run")
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -353,7 +353,7 @@ def run_cp(setup: harness.Setup, kind: str = "allgather_kv", measure_memory: boo
 def measure_rank_memory(setup: harness.Setup, kind: str = "allgather_kv") -> dict:
     """This rank's peak tensor bytes in one CP training step (AdamW, as the estimator assumes),
     and `compute.memory.estimate` for the same shape with cp = world size."""
-    from ..compute.memory_measure import tracked_peak
+    from ..bench.memory_measure import tracked_peak
 
     fn, scheme = _check_kind(kind)
     rank, world = _group_info()

@@ -26,7 +26,7 @@ class DataParallel(nn.Module):
         super().__init__()
         if not dist.is_initialized():
             raise ValueError("DataParallel needs a process group: run under torchrun or "
-                             "trainbook.parallel.launch.run")
+                             "trainbook.launch.run")
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.module, self.world = module, dist.get_world_size()
@@ -138,13 +138,13 @@ def sweep(setup: harness.Setup, variants: list[dict], fn=None) -> list[dict]:
 
 def measure_rank_memory(setup: harness.Setup, kind: str = "ddp", bucket_mb: float = 25.0) -> dict:
     """This rank's peak tensor bytes, by category, for one steady-state step of data parallelism
-    (MemTracker; see trainbook.compute.memory_measure). Every rank holds a full replica.
+    (MemTracker; see trainbook.bench.memory_measure). Every rank holds a full replica.
 
     kind: 'scratch' or 'ddp'. DDP allocates its gradient buckets once and keeps them: one more
     copy of the gradients for the whole run (with gradient_as_bucket_view=True the gradients
     become views into them instead of a second copy; the buckets stay).
     """
-    from ..compute.memory_measure import tracked_peak
+    from ..bench.memory_measure import tracked_peak
 
     if kind not in ("scratch", "ddp"):
         raise ValueError(f"kind must be 'scratch' or 'ddp', got {kind!r}")

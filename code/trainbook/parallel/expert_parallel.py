@@ -34,7 +34,7 @@ from torch import nn
 from .. import configs
 from ..model import MoE, Transformer
 from . import harness
-from .launch import rank_device
+from ..launch import rank_device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         if not dist.is_initialized():
             raise ValueError("ExpertParallelMoE needs a process group: run under torchrun or "
-                             "trainbook.parallel.launch.run")
+                             "trainbook.launch.run")
         self.group = group
         self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
         n_experts = len(moe.experts)
@@ -385,7 +385,7 @@ def run_ep(spec: EPSetup, measure_memory: bool = False) -> dict:
     """
     if not dist.is_initialized():
         raise ValueError("run_ep runs inside a process group: use "
-                         "trainbook.parallel.launch.run(run_ep, nprocs, args=(spec,))")
+                         "trainbook.launch.run(run_ep, nprocs, args=(spec,))")
     rank, world = dist.get_rank(), dist.get_world_size()
     check_moe(spec.n_experts, spec.top_k, world, spec.capacity_factor)
     device = rank_device()
@@ -426,7 +426,8 @@ def run_ep(spec: EPSetup, measure_memory: bool = False) -> dict:
 def measure_rank_memory(spec: EPSetup) -> dict:
     """This rank's peak tensor bytes for one EP x DP AdamW step (MemTracker), and the estimate
     of `compute.memory.estimate` with dp = ep = world for the same model and micro-batch."""
-    from ..compute import memory, memory_measure
+    from ..bench import memory_measure
+    from ..compute import memory
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _ep_model(spec)

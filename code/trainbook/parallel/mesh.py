@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import harness
-from .launch import rank_device
+from ..launch import rank_device
 
 KINDS = ("fsdp_tp", "hsdp", "pp_fsdp")
 
@@ -38,7 +38,7 @@ KINDS = ("fsdp_tp", "hsdp", "pp_fsdp")
 def _need_four_ranks() -> int:
     if not dist.is_initialized():
         raise ValueError("mesh functions need a process group: run them under "
-                         "trainbook.parallel.launch.run(fn, nprocs=4) or torchrun")
+                         "trainbook.launch.run(fn, nprocs=4) or torchrun")
     world = dist.get_world_size()
     if world != 4:
         raise ValueError(f"the 2 x 2 meshes need 4 ranks, got {world}")
@@ -223,10 +223,10 @@ def measure_hsdp_rank(cfg, micro_batch: int, seq_len: int, seed: int = 0) -> dic
     """This rank's peak tensor bytes by category (MemTracker) for one AdamW step under HSDP on
     the 2 x 2 mesh: parameters, gradients and optimizer state sharded over the "shard" pair
     only, so the per-rank model states are those of FSDP over 2 ranks, not 4. The measurement
-    is `compute.memory_measure.measure_fsdp_rank` with the 2-D mesh."""
+    is `bench.memory_measure.measure_fsdp_rank` with the 2-D mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..compute.memory_measure import measure_fsdp_rank
+    from ..bench.memory_measure import measure_fsdp_rank
 
     _need_four_ranks()
     mesh = init_device_mesh(rank_device().type, (2, 2), mesh_dim_names=("replicate", "shard"))

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import harness
-from .launch import rank_device
+from ..launch import rank_device
 
 SCRATCH = ("gpipe", "1f1b")
 NATIVE = ("native-gpipe", "native-1f1b", "native-interleaved", "native-zero-bubble")
@@ -354,7 +354,7 @@ def run_pipeline(setup: harness.Setup, kind: str = "1f1b", microbatches: int = 4
     with memory=True, each rank's peak tensor bytes by category for one extra step.
     """
     if not dist.is_initialized():
-        raise ValueError("run_pipeline needs a process group: use trainbook.parallel.launch.run")
+        raise ValueError("run_pipeline needs a process group: use trainbook.launch.run")
     rank, p = dist.get_rank(), dist.get_world_size()
     validate(setup, kind, microbatches, p)
     stages, train_step, plan = _build(setup, kind, microbatches)
@@ -403,7 +403,7 @@ def _tracker_cls():
 
 
 def _measure(stages, opt, train_step, x, y) -> dict:
-    from ..compute.memory_measure import tracked_peak
+    from ..bench.memory_measure import tracked_peak
 
     def step(model, optimizer, xb, yb):
         train_step(xb, yb)

@@ -37,7 +37,7 @@ from ..bench.collectives import bus_factor
 from ..configs import ModelConfig
 from ..model import Attention, Transformer
 from . import harness
-from .launch import rank_device
+from ..launch import rank_device
 
 KINDS = ("scratch", "scratch_sp", "dtensor", "dtensor_sp")
 # CommDebugMode's op names (c10d ops for plain dist calls, functional ones for DTensor)
@@ -536,7 +536,7 @@ def _build(setup: harness.Setup, kind: str, shared_input: bool = True):
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if not dist.is_initialized():
         raise ValueError("tensor parallelism needs a process group: run under torchrun or "
-                         "trainbook.parallel.launch.run")
+                         "trainbook.launch.run")
     tp, sp = dist.get_world_size(), kind.endswith("_sp")
     check_divisible(setup.model_config(), tp, setup.seq_len, sp)
     model = harness.build_model(setup).to(rank_device())
@@ -616,7 +616,7 @@ def run_tp(setup: harness.Setup, kind: str = "scratch", measure_memory: bool = F
     out = {"kind": kind, "trace": trace, "counts": counts, "observed": observed,
            "in_optimizer": in_optimizer, "rank": dist.get_rank()}
     if measure_memory:
-        from ..compute.memory_measure import tracked_peak
+        from ..bench.memory_measure import tracked_peak
         x, y = (t.to(rank_device()) for t in harness.global_batches(setup)[0])
         out["memory"] = tracked_peak(model, opt, x, y, step=step)
     return out

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..bench.collectives import bus_factor
 from . import harness
-from .launch import rank_device
+from ..launch import rank_device
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 KINDS = ("ddp", "zero1", "zero2", "zero3", "zero_redundancy_optimizer", "fsdp2")
@@ -130,7 +130,7 @@ class ZeRO(nn.Module):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
         if not dist.is_initialized():
             raise ValueError("ZeRO needs a process group: run under torchrun or "
-                             "trainbook.parallel.launch.run")
+                             "trainbook.launch.run")
         self.module, self.stage = module, stage
         units = units if units is not None else getattr(module, "blocks", [])
         self.units_modules = [m for m in units if any(True for _ in m.parameters())]
@@ -369,7 +369,7 @@ def measure_rank(setup: harness.Setup, kind: str = "zero1", reshard_after_forwar
                  mixed_precision: bool = False) -> dict:
     """This rank's peak tensor bytes in one steady-state step of `kind` (MemTracker), on its
     shard of the first global batch. Flat buffers and shards count as weights."""
-    from ..compute.memory_measure import tracked_peak
+    from ..bench.memory_measure import tracked_peak
 
     rank, world = dist.get_rank(), dist.get_world_size()
     run = _Prepared(setup, kind, reshard_after_forward, mixed_precision)
