@@ -110,10 +110,12 @@ def test_benchmark_outside_a_process_group_says_how_to_run_it():
 
 
 def test_torchrun_command(tmp_path):
+    """The `collectives` command under real torchrun: `-m trainbook` with a subcommand."""
     out = tmp_path / "c.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "trainbook.bench.collectives", "--ops", "all_reduce,broadcast",
-           "--payload-range", "1KiB", "64KiB", "--iters", "2", "--timeout-s", "60", "--json", str(out)]
+           "-m", "trainbook", "collectives", "--ops", "all_reduce,broadcast",
+           "--payload-range", "1KiB", "64KiB", "--iters", "2", "--timeout-s", "60",
+           "--json-out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "busbw GB/s" in proc.stdout and "all_reduce: t =" in proc.stdout
@@ -123,13 +125,23 @@ def test_torchrun_command(tmp_path):
 
 
 def test_command_help_and_bad_input(capsys):
+    from trainbook.__main__ import main
     with pytest.raises(SystemExit) as e:
-        bench.main(["--help"])
+        main(["collectives", "--help"])
     assert e.value.code == 0 and "busbw" in capsys.readouterr().out
-    assert bench.main(["--ops", "allreduce"]) == 2
+    assert main(["collectives", "--ops", "allreduce"]) == 2
     assert "unknown collective" in capsys.readouterr().err
-    assert bench.main([]) == 2  # not under torchrun
+    assert main(["collectives"]) == 2  # not under torchrun
     assert "torchrun" in capsys.readouterr().err
+
+
+def test_fit_ops_fits_each_op_with_two_payloads_or_more():
+    rows = [{"op": op, "bytes": s, "ranks": 2, "time_s": 1e-5 + s / 1e9}
+            for op, sizes in (("all_reduce", (1024, 65536)), ("broadcast", (1024,))) for s in sizes]
+    fits = bench.fit_ops(rows)
+    assert set(fits) == {"all_reduce"}
+    assert fits["all_reduce"]["alpha_us"] == pytest.approx(10, rel=1e-6)
+    assert fits["all_reduce"]["bus_bandwidth_GBps"] == pytest.approx(1.0 * bench.bus_factor("all_reduce", 2))
 
 
 def test_collective_time_is_ring_steps_times_alpha_plus_bus_factor_bandwidth():

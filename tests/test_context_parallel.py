@@ -158,9 +158,3 @@ def test_four_ranks_zigzag_exact_and_gpt2_adamw_training():
         assert d["loss"] < 1e-5 and d["grad"] < 1e-6 and d["param"] < 1e-4, d  # Adam: see DP tests
     pairs = [r.value[0]["pairs"] for r in res]
     assert len(set(pairs)) == 1 and pairs == cp.causal_work(32, 4, "zigzag")
-
-
-def test_torchrun_entry_point_help():
-    with pytest.raises(SystemExit) as e:
-        cp.main(["--help"])
-    assert e.value.code == 0

@@ -30,7 +30,7 @@ def test_three_2d_meshes_match_single_process_on_4_ranks():
 def test_errors():
     with pytest.raises(ValueError, match="need a process group"):
         mesh.run_hsdp(harness.Setup())
-    with pytest.raises(ValueError, match="3 pipeline stages do not divide 2 layers"):
-        mesh.Stage(harness.build_model(harness.Setup()), 0, 3)
+    with pytest.raises(ValueError, match="do not split into 3 equal stages"):
+        mesh.split_model(harness.build_model(harness.Setup()), 3, 0)
     with pytest.raises(RuntimeError, match="the 2 x 2 meshes need 4 ranks, got 2"):
         launch.run(mesh.run, 2, args=(harness.Setup(), "hsdp"), timeout_s=60)

@@ -113,12 +113,6 @@ def test_bad_input():
         launch.run(tp.run_tp, 2, args=(harness.Setup(), "zero"), timeout_s=60)
 
 
-def test_entry_point_help():
-    with pytest.raises(SystemExit) as e:
-        tp.main(["--help"])
-    assert e.value.code == 0
-
-
 def test_wire_bytes_is_the_bus_factor():
     from trainbook.bench.collectives import bus_factor
     for op in ("all_reduce", "all_gather", "reduce_scatter"):

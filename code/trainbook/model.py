@@ -4,6 +4,15 @@ One readable file in the spirit of nanoGPT. The "gpt2" flavour is GPT-2 (LayerNo
 positions, GELU, biases, tied embeddings); the "llama" flavour is Llama/Mistral/Mixtral/Qwen2
 (RMSNorm, RoPE, SwiGLU, grouped-query attention, optional mixture of experts). Attention goes
 through `F.scaled_dot_product_attention`, so it runs the fused kernels on GPU.
+
+The model has seams, so that every parallelism applies to it from outside (as torchtitan's
+`parallelize_*` functions do) and none re-implements its forward: `embed_inputs` (tokens and
+positions), `blocks`, `project_logits` (final norm and head), the loss as the free function
+`lm_loss`, and each attention's `core`, replaceable per instance. `trunk` runs whatever parts a
+module holds, so a pipeline stage (`parallel.pipeline.Stage`) is the same class with fewer parts;
+tensor parallelism swaps modules, context parallelism passes its shard's positions and core.
+
+Chapter: book/start/first-run (the model); book/parallelism (every technique applies to it).
 """
 
 from __future__ import annotations
@@ -59,19 +68,19 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         hd = self.cfg.dim_head
         # heads = width / head_dim, so the same code runs on a tensor-parallel shard of q, k, v
-        q = self.q(x).view(B, T, -1, hd).transpose(1, 2)
-        k = self.k(x).view(B, T, -1, hd).transpose(1, 2)
-        v = self.v(x).view(B, T, -1, hd).transpose(1, 2)
+        q = self.q(x).view(B, T, -1, hd).transpose(1, 2)  # (B, n_heads, T, hd)
+        k = self.k(x).view(B, T, -1, hd).transpose(1, 2)  # (B, kv_heads, T, hd)
+        v = self.v(x).view(B, T, -1, hd).transpose(1, 2)  # (B, kv_heads, T, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = self.core(q, k, v)
-        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+        y = self.core(q, k, v)  # (B, n_heads, T, hd)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, n_heads * hd) -> (B, T, d)
 
     def core(self, q, k, v):
         """Causal attention on (batch, heads, time, head_dim); context parallelism replaces it."""
         if k.shape[1] != q.shape[1]:  # grouped-query attention: a kv head serves a group of q heads
             group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, T, hd)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -107,15 +116,15 @@ class MoE(nn.Module):
 
     def forward(self, x):
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        weights, chosen = self.router(x).topk(self.top_k, dim=-1)
+        x = x.reshape(-1, shape[-1])  # (tokens, d)
+        weights, chosen = self.router(x).topk(self.top_k, dim=-1)  # (tokens, k) each
         weights = weights.softmax(dim=-1).to(x.dtype)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             token, slot = (chosen == e).nonzero(as_tuple=True)
             if token.numel():
                 out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
-        return out.reshape(shape)
+        return out.reshape(shape)  # (B, T, d)
 
 
 class Block(nn.Module):
@@ -129,6 +138,15 @@ class Block(nn.Module):
     def forward(self, x, rope=None):
         x = x + self.attn(self.attn_norm(x), rope)
         return x + self.mlp(self.mlp_norm(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy in fp32: logits (batch, time, vocab), targets (batch, time).
+
+    The one loss of the reference model: the trainer, the pipeline schedules and every Part 5
+    technique use it (tensor parallelism has a vocabulary-parallel version that equals it)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                           reduction=reduction)
 
 
 class Transformer(nn.Module):
@@ -149,6 +167,8 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(cfg.max_seq_len, cfg.dim_head, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -161,23 +181,51 @@ class Transformer(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o.weight", "down.weight")) else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def forward(self, idx, targets=None):
-        B, T = idx.shape
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
-        x = self.embed(idx)
-        rope = None
+    def embed_inputs(self, idx: torch.Tensor, positions: torch.Tensor | None = None):
+        """Token ids (batch, time) -> (hidden states (batch, time, d_model), RoPE tables or None).
+
+        `positions` are the tokens' places in the whole sequence (default 0..time-1); context
+        parallelism passes its shard's. Learned positions (gpt2) are added here, rotary ones
+        (llama) are returned as (cos, sin) rows for the blocks' attention to apply."""
+        x = self.embed(idx)  # (B, T, d)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(T, device=idx.device))
+            x = x + self.pos(positions if positions is not None
+                             else torch.arange(idx.shape[1], device=idx.device))
+        return x, self.rope_for(positions)
+
+    def rope_for(self, positions: torch.Tensor | None):
+        """(cos, sin) rows for `positions` (all rows when None: attention slices to its length)."""
+        if self.pos is not None or self.rope_cos is None:
+            return None
+        if positions is None:
+            return self.rope_cos, self.rope_sin
+        return self.rope_cos[positions], self.rope_sin[positions]  # (T, head_dim / 2) each
+
+    def layers(self):
+        """The blocks in order (a pipeline stage keeps them keyed by their index in the model)."""
+        return self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
+
+    def project_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and head: (batch, time, d_model) -> logits (batch, time, vocab)."""
+        return self.head(self.norm(x))
+
+    def trunk(self, inputs: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the parts this module holds: token ids -> logits for a whole model; on a pipeline
+        stage, ids or hidden states in (first stage or not), hidden states or logits out."""
+        if self.embed is not None:
+            T = inputs.shape[1]
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+            x, rope = self.embed_inputs(inputs, positions)
         else:
-            rope = (self.rope_cos, self.rope_sin)
-        for block in self.blocks:
+            x, rope = inputs, self.rope_for(positions)
+        for block in self.layers():
             x = block(x, rope)
-        logits = self.head(self.norm(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return x if self.head is None else self.project_logits(x)
+
+    def forward(self, idx, targets=None, positions=None):
+        logits = self.trunk(idx, positions)
+        return logits, (None if targets is None else lm_loss(logits, targets))
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

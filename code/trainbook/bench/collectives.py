@@ -7,21 +7,16 @@ buffer of all_to_all. algbw = S / t. busbw = algbw x a factor that makes the num
 the link bandwidth whatever the rank count n: 2(n-1)/n for all_reduce, (n-1)/n for all_gather,
 reduce_scatter and all_to_all, 1 for broadcast.
 
-    torchrun --nproc_per_node 8 -m trainbook.bench.collectives --payload-range 1KiB 1GiB
-    srun torchrun ... -m trainbook.bench.collectives --ops all_reduce --json out.json
+    torchrun --nproc_per_node 8 -m trainbook collectives --payload-range 1KiB 1GiB
+    srun torchrun ... -m trainbook collectives --ops all_reduce --json-out out.json
 
-gloo on CPU, nccl on GPU. Every rank runs `benchmark()`; rank 0 prints and writes the results.
+gloo on CPU, nccl on GPU. Every rank runs `benchmark()`; the command (`trainbook collectives`)
+prints and writes rank 0's results.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import math
-import os
 import re
-import sys
 import time
 from numbers import Integral
 
@@ -31,6 +26,7 @@ import torch.distributed as dist
 from ..launch import rank_device
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*")
@@ -137,16 +133,21 @@ def time_op(op: str, nbytes: int, iters: int = 10, warmup: int = 2, dtype=torch.
     return best
 
 
+def check_benchmark(ops, iters: int, warmup: int) -> None:
+    """Reject what `benchmark` cannot run, before any process joins a group."""
+    for op in ops:
+        bus_factor(op, 2)  # validates the name
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"need iters >= 1 and warmup >= 0, got {iters} and {warmup}")
+
+
 def benchmark(ops=OPS, sizes=(2**10, 2**16, 2**20), iters: int = 10, warmup: int = 2,
               dtype=torch.float32) -> list[dict]:
     """One row per (op, payload): time, algbw and busbw. Call on every rank of a process group."""
     if not dist.is_initialized():
         raise ValueError("benchmark() runs inside a process group: use torchrun, or "
                          "trainbook.launch.run(benchmark, nprocs=N)")
-    for op in ops:
-        bus_factor(op, 2)  # validates the name
-    if iters < 1 or warmup < 0:
-        raise ValueError(f"need iters >= 1 and warmup >= 0, got {iters} and {warmup}")
+    check_benchmark(ops, iters, warmup)
     n, rows = dist.get_world_size(), []
     elem = torch.tensor([], dtype=dtype).element_size()
     for op in ops:
@@ -176,65 +177,14 @@ def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
     return float(alpha), float(1 / inv_bw)
 
 
-def _args(argv):
-    p = argparse.ArgumentParser(prog="torchrun --nproc_per_node N -m trainbook.bench.collectives",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {', '.join(OPS)}")
-    p.add_argument("--payload-range", nargs=2, default=["1KiB", "16MiB"], metavar=("START", "STOP"),
-                   help="smallest and largest payload, e.g. 1KiB 1GiB (default: 1KiB 16MiB)")
-    p.add_argument("--factor", type=int, default=4, help="payload step factor (default: 4)")
-    p.add_argument("--iters", type=int, default=10, help="timed calls per payload (default: 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls first (default: 2)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="element type")
-    p.add_argument("--timeout-s", type=int, default=300, help="collective timeout, seconds")
-    p.add_argument("--json", dest="json_out", help="write the rows and the alpha-beta fits here")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = _args(argv)
-    try:
-        ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-        for op in ops:
-            bus_factor(op, 2)
-        sizes = payload_sizes(parse_size(args.payload_range[0]), parse_size(args.payload_range[1]), args.factor)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if "RANK" not in os.environ:
-        print("error: run under torchrun (or srun + torchrun), e.g. "
-              "torchrun --nproc_per_node 2 -m trainbook.bench.collectives", file=sys.stderr)
-        return 2
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout_s))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    rows = benchmark(ops, sizes, args.iters, args.warmup, dtype)
-    if dist.get_rank() == 0:
-        from ..report import table
-        n = dist.get_world_size()
-        print(f"{n} ranks, backend {backend}, {args.dtype}, {args.iters} iterations per payload")
-        print(table([{"op": r["op"], "bytes": r["bytes"], "time us": r["time_s"] * 1e6,
-                      "algbw GB/s": r["algbw_GBps"], "busbw GB/s": r["busbw_GBps"]} for r in rows]))
-        fits = {}
-        for op in ops:
-            mine = [r for r in rows if r["op"] == op]
-            if len({r["bytes"] for r in mine}) >= 2:
-                alpha, bw = fit_alpha_beta([r["bytes"] for r in mine], [r["time_s"] for r in mine])
-                fits[op] = {"alpha_us": alpha * 1e6, "bandwidth_GBps": bw / 1e9,
-                            "bus_bandwidth_GBps": bw / 1e9 * bus_factor(op, n)}
-                print(f"{op}: t = {alpha * 1e6:.1f} us + S / {bw / 1e9:.3g} GB/s "
-                      f"(busbw {bw / 1e9 * bus_factor(op, n):.3g} GB/s)")
-        if args.json_out:
-            meta = {"ranks": n, "backend": backend, "dtype": args.dtype, "iters": args.iters,
-                    "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                    "command": " ".join(sys.argv)}
-            with open(args.json_out, "w") as fh:
-                json.dump({"meta": meta, "rows": rows, "fits": fits}, fh, indent=1)
-    dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def fit_ops(rows: list[dict]) -> dict[str, dict]:
+    """The alpha-beta fit of each op in `benchmark` rows that has two payload sizes or more:
+    latency in us, bandwidth in GB/s, and that bandwidth times the bus factor (busbw)."""
+    fits = {}
+    for op in dict.fromkeys(r["op"] for r in rows):
+        mine = [r for r in rows if r["op"] == op]
+        if len({r["bytes"] for r in mine}) >= 2:
+            alpha, bw = fit_alpha_beta([r["bytes"] for r in mine], [r["time_s"] for r in mine])
+            fits[op] = {"alpha_us": alpha * 1e6, "bandwidth_GBps": bw / 1e9,
+                        "bus_bandwidth_GBps": bw / 1e9 * bus_factor(op, mine[0]["ranks"])}
+    return fits

@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import harness
 from ..compute import memory
+from ..model import lm_loss
+from . import harness
 
 SCHEMES = ("contiguous", "zigzag")
 
@@ -275,29 +276,20 @@ def cp_forward(model, idx, positions: list[torch.Tensor], attend, counter: dict 
     the tokens' global positions, and each block's attention core is the context-parallel
     `attend` (its q, k, v projections, RoPE and output projection are the reference's own).
     """
-    pos = positions[dist.get_rank()]
-    x = model.embed(idx)
-    rope = None
-    if model.pos is not None:
-        x = x + model.pos(pos)
-    else:
-        rope = (model.rope_cos[pos], model.rope_sin[pos])
     try:
-        for block in model.blocks:  # an instance attribute shadows Attention.core
+        for block in model.layers():  # an instance attribute shadows Attention.core
             block.attn.core = lambda q, k, v: attend(q, k, v, positions, counter)
-            x = block(x, rope)
+        return model(idx, positions=positions[dist.get_rank()])[0]  # via __call__: hooks run
     finally:
-        for block in model.blocks:
+        for block in model.layers():
             block.attn.__dict__.pop("core", None)
-    return model.head(model.norm(x))
 
 
 def cp_loss(model, x, y, positions, attend, counter=None):
     """(loss to backpropagate, global mean loss): this rank's summed cross-entropy divided by
     the token count of all ranks, so the per-rank gradients add up to the full-batch gradient."""
     logits = cp_forward(model, x, positions, attend, counter)
-    local = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1),
-                            reduction="sum")
+    local = lm_loss(logits, y, reduction="sum")
     stats = torch.stack([local.detach(), torch.tensor(float(y.numel()))])
     dist.all_reduce(stats)
     return local / stats[1], (stats[0] / stats[1]).item()
@@ -421,34 +413,3 @@ def official_api_on_cpu(seq_len: int = 32, backward: bool = True) -> dict:
             msg = str(e).strip().splitlines()
             results[backend.name] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
     return {"rank": rank, "torch": torch.__version__, **results}
-
-
-# ---------------------------------------------------------------------------------------------
-# torchrun entry point: python -m trainbook.parallel.context_parallel
-# ---------------------------------------------------------------------------------------------
-
-def main(argv=None) -> int:
-    """Train the harness model context-parallel under torchrun and compare with one process."""
-    import argparse
-    import datetime
-
-    p = argparse.ArgumentParser(prog="python -m trainbook.parallel.context_parallel",
-                                description=main.__doc__)
-    p.add_argument("--kind", default="ring_zigzag", choices=KINDS, help="attention scheme")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (all ranks)")
-    p.add_argument("--steps", type=int, default=3, help="training steps")
-    args = p.parse_args(argv)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    setup = harness.Setup(seq_len=args.seq_len, steps=args.steps)
-    out = run_cp(setup, args.kind)
-    if dist.get_rank() == 0:
-        d = harness.max_differences(out["trace"], harness.reference(setup))
-        print(f"{args.kind} on {dist.get_world_size()} ranks: max |diff| vs one process: "
-              + ", ".join(f"{k} {v:.1e}" for k, v in d.items()))
-    dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

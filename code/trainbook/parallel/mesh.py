@@ -26,11 +26,12 @@ import logging
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from . import harness
 from ..launch import rank_device
+from ..model import lm_loss
+from . import harness
+from ..train.parallelize import split_model, tp_plan
 
 KINDS = ("fsdp_tp", "hsdp", "pp_fsdp")
 
@@ -81,18 +82,6 @@ def _train(setup: harness.Setup, model: nn.Module, rank: int, ranks: int, group)
     return harness.Trace(losses, first, _full(dict(model.named_parameters())))
 
 
-def tp_plan(model: nn.Module) -> dict:
-    """The MLP-only tensor-parallel plan: column-wise in, row-wise out (Megatron's MLP split)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan = {}
-    for i, block in enumerate(model.blocks):
-        names = ["gate", "up"] if hasattr(block.mlp, "gate") else ["up"]
-        plan.update({f"blocks.{i}.mlp.{n}": ColwiseParallel() for n in names})
-        plan[f"blocks.{i}.mlp.down"] = RowwiseParallel()
-    return plan
-
-
 def run_fsdp_tp(setup: harness.Setup) -> harness.Trace:
     """FSDP over "dp" x tensor parallelism over "tp" on a 2 x 2 mesh."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -102,7 +91,8 @@ def run_fsdp_tp(setup: harness.Setup) -> harness.Trace:
     _need_four_ranks()
     mesh = init_device_mesh(rank_device().type, (2, 2), mesh_dim_names=("dp", "tp"))
     model = harness.build_model(setup).to(rank_device())
-    parallelize_module(model, mesh["tp"], tp_plan(model))  # TP first, then FSDP over dp
+    # TP first (whole logits: the loss is the plain one here), then FSDP over dp
+    parallelize_module(model, mesh["tp"], tp_plan(model, sp=False, loss_parallel=False))
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -124,39 +114,6 @@ def run_hsdp(setup: harness.Setup) -> harness.Trace:
     return _train(setup, model, dist.get_rank(), world, None)  # all four are data-parallel
 
 
-class Stage(nn.Module):
-    """One pipeline stage of the reference model: a slice of its blocks, plus the embedding on
-    the first stage and the final norm and head on the last. Parameter names are the reference
-    model's ("blocks.3.mlp.up.weight"), so gradients map back by name."""
-
-    def __init__(self, model: nn.Module, index: int, stages: int):
-        super().__init__()
-        L = len(model.blocks)
-        if L % stages:
-            raise ValueError(f"{stages} pipeline stages do not divide {L} layers")
-        lo, hi = index * L // stages, (index + 1) * L // stages
-        self.first, self.last = index == 0, index == stages - 1
-        if self.first:
-            self.embed, self.pos = model.embed, model.pos
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
-        if self.last:
-            self.norm, self.head = model.norm, model.head
-        self.rope = None if model.pos is not None else (model.rope_cos, model.rope_sin)
-
-    def forward(self, x):
-        if self.first:
-            idx, x = x, self.embed(x)
-            if self.pos is not None:
-                x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks.values():
-            x = block(x, self.rope)
-        return self.head(self.norm(x)) if self.last else x
-
-
-def _lm_loss(logits, targets):
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
 def run_pp_fsdp(setup: harness.Setup, microbatches: int = 2) -> harness.Trace:
     """Two GPipe stages over "pp" x FSDP over "dp": rank (p, d) holds stage p, shard d."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -169,13 +126,13 @@ def run_pp_fsdp(setup: harness.Setup, microbatches: int = 2) -> harness.Trace:
                          "need their gradient summed across the first and last stage")
     mesh = init_device_mesh(rank_device().type, (2, 2), mesh_dim_names=("pp", "dp"))
     p, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    stage_mod = Stage(harness.build_model(setup).to(rank_device()), p, 2)
+    stage_mod = split_model(harness.build_model(setup).to(rank_device()), 2, p)
     for block in stage_mod.blocks.values():
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(stage_mod, mesh=mesh["dp"])
     stage = PipelineStage(stage_mod, p, 2, rank_device(), group=mesh["pp"].get_group())
     # scale_grads: gradients are the mean over micro-batches, as one loss over the shard
-    schedule = ScheduleGPipe(stage, microbatches, loss_fn=_lm_loss, scale_grads=True)
+    schedule = ScheduleGPipe(stage, microbatches, loss_fn=lm_loss, scale_grads=True)
     opt = harness.make_optimizer(setup, stage_mod.parameters())
     losses, first = [], {}
     for step, batch in enumerate(harness.global_batches(setup)):
@@ -184,7 +141,7 @@ def run_pp_fsdp(setup: harness.Setup, microbatches: int = 2) -> harness.Trace:
             raise ValueError(f"{len(x)} sequences per dp rank do not split into "
                              f"{microbatches} micro-batches")
         mb_losses: list = []
-        if stage_mod.first:
+        if stage_mod.is_first:
             schedule.step(x)
         else:
             schedule.step(target=y, losses=mb_losses)

@@ -32,71 +32,16 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from . import harness
 from ..launch import rank_device
+from ..model import lm_loss
+from ..train.parallelize import Stage, split_model  # noqa: F401 (the one Stage, re-exported)
+from . import harness
 
 SCRATCH = ("gpipe", "1f1b")
 NATIVE = ("native-gpipe", "native-1f1b", "native-interleaved", "native-zero-bubble")
 KINDS = SCRATCH + NATIVE
-
-
-class Stage(nn.Module):
-    """Layers [first_layer, last_layer) of a reference `Transformer`, keeping their names.
-
-    Blocks live in a ModuleDict keyed by their index in the full model, so `named_parameters()`
-    gives the reference names ("blocks.3.attn.q.weight"). forward takes token ids on the first
-    stage and hidden states elsewhere; it returns logits on the last stage.
-    """
-
-    def __init__(self, model: nn.Module, first_layer: int, last_layer: int):
-        super().__init__()
-        n = model.cfg.n_layers
-        if not 0 <= first_layer < last_layer <= n:
-            raise ValueError(f"layers [{first_layer}, {last_layer}) are not a slice of {n} layers")
-        self.is_first, self.is_last = first_layer == 0, last_layer == n
-        self.embed = model.embed if self.is_first else None
-        self.pos = model.pos if self.is_first else None
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i]
-                                     for i in range(first_layer, last_layer)})
-        self.norm = model.norm if self.is_last else None
-        self.head = model.head if self.is_last else None
-        self.tied = model.cfg.tied
-        if model.cfg.flavour == "llama":
-            self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-            self.register_buffer("rope_sin", model.rope_sin, persistent=False)
-        else:
-            self.rope_cos = self.rope_sin = None
-
-    def forward(self, x):
-        if self.is_first:
-            idx = x
-            x = self.embed(idx)
-            if self.pos is not None:
-                x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        rope = None if self.rope_cos is None else (self.rope_cos, self.rope_sin)
-        for block in self.blocks.values():
-            x = block(x, rope)
-        return self.head(self.norm(x)) if self.is_last else x
-
-
-def loss_fn(logits, targets):
-    """The reference model's loss: mean cross-entropy over the micro-batch's tokens."""
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def split_model(model: nn.Module, num_stages: int, stage_index: int) -> Stage:
-    """Stage `stage_index` of `num_stages` equal stages (whole layers each)."""
-    n = model.cfg.n_layers
-    if num_stages < 1 or n % num_stages:
-        raise ValueError(f"{n} layers do not split into {num_stages} equal stages; "
-                         f"pick a number of stages that divides {n}")
-    if not 0 <= stage_index < num_stages:
-        raise ValueError(f"stage_index {stage_index} is not in [0, {num_stages})")
-    per = n // num_stages
-    return Stage(model, stage_index * per, (stage_index + 1) * per)
 
 
 def schedule_order(kind: str, p: int, m: int, stage: int) -> list[tuple[str, int]]:
@@ -170,7 +115,7 @@ def scratch_step(stage: Stage, x, y, kind: str, m: int, events: Events | None = 
             dist.recv(inp, src=rank - 1)
             inp.requires_grad_()
         if stage.is_last:  # each micro-batch carries 1/m of the mean loss
-            out = timed("F", i, lambda: loss_fn(stage(inp), ys[i]) / m)
+            out = timed("F", i, lambda: lm_loss(stage(inp), ys[i]) / m)
             losses[i] = out.detach() * m
         else:
             out = timed("F", i, stage, inp)
@@ -229,12 +174,12 @@ def native_schedule(kind: str, stages: list, m: int):
     from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
     if kind == "native-gpipe":
-        return ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
+        return ScheduleGPipe(stages[0], m, loss_fn=lm_loss)
     if kind == "native-1f1b":
-        return Schedule1F1B(stages[0], m, loss_fn=loss_fn)
+        return Schedule1F1B(stages[0], m, loss_fn=lm_loss)
     if kind == "native-interleaved":
-        return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
-    return ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
+        return ScheduleInterleaved1F1B(stages, m, loss_fn=lm_loss)
+    return ScheduleZBVZeroBubble(stages, m, loss_fn=lm_loss)
 
 
 def _time_native(stage, events: Events) -> None:

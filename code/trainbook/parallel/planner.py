@@ -50,57 +50,13 @@ from dataclasses import asdict, dataclass, field, replace
 from numbers import Integral
 
 from .. import configs, hardware
+from ..layout import RECOMPUTE, Layout, layout_rules, stage_layers
 from ..compute import flops, memory
 from ..compute.roofline import BYTES_PER_ELEMENT
 from .collectives import collective_time
 
 GiB = 2**30
-RECOMPUTE = ("none", "selective", "full")
 ACTIVATIONS = ("flash", "reference")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to lay a training step out on dp * tp * pp * cp GPUs (ep is carved out of dp)."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    micro_batch: int = 1
-    recompute: str = "none"
-    interleave: int = 1
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def short(self) -> str:
-        s = f"dp={self.dp},tp={self.tp},pp={self.pp},cp={self.cp}"
-        return s + (f",ep={self.ep}" if self.ep > 1 else "")
-
-    @classmethod
-    def parse(cls, text: str, **defaults) -> "Layout":
-        """'tp=8,pp=16,dp=128' (any of the fields, comma-separated) -> Layout."""
-        values = dict(defaults)
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, eq, value = part.partition("=")
-            key = key.strip().replace("-", "_")
-            if not eq or key not in cls.__dataclass_fields__:
-                raise ValueError(f"cannot read {part!r} in layout {text!r}; write key=value pairs "
-                                 f"such as 'tp=8,pp=16,dp=128' (keys: "
-                                 f"{', '.join(cls.__dataclass_fields__)})")
-            value = value.strip()
-            if key == "recompute":
-                values[key] = value
-            else:
-                try:
-                    values[key] = int(value)
-                except ValueError:
-                    raise ValueError(f"{key} must be a whole number, got {value!r}") from None
-        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -202,66 +158,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def stage_layers(n_layers: int, pp: int) -> int | None:
-    """Layers on the heaviest stage, or None when the layers do not split over pp stages.
-
-    Either pp divides the layers, or the first and last stages each carry one block fewer, as
-    Llama 3 does to balance the embedding and the head (126 layers on 16 stages of 8)."""
-    per = math.ceil(n_layers / pp)
-    if n_layers % pp == 0 or (per >= 2 and pp >= 2 and per * pp - n_layers <= 2):
-        return per
-    return None
-
-
 def check_rules(layout: Layout, job: Job, cluster: Cluster) -> list[str]:
-    """Every divisibility and shape rule the layout breaks, in words (empty when none)."""
-    cfg, L = job.model, layout
-    out = []
-    for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "interleave"):
-        v = getattr(L, name)
-        if isinstance(v, bool) or not isinstance(v, Integral) or v < 1:
-            return [f"{name} must be a positive whole number, got {v!r}"]
+    """Every rule the layout breaks, in words (empty when none): the model's and the batch's
+    (`trainbook.layout.layout_rules`, shared with the memory estimator and the trainer), then
+    the cluster's."""
+    L = layout
+    out = layout_rules(L, job.model, job.seq_len, job.sequences)
+    if out and "positive whole number" in out[0]:
+        return out
     if L.gpus != cluster.gpus:
-        out.append(f"dp {L.dp} x tp {L.tp} x pp {L.pp} x cp {L.cp} = {L.gpus} GPUs, "
-                   f"not the {cluster.gpus} available")
+        out.insert(0, f"dp {L.dp} x tp {L.tp} x pp {L.pp} x cp {L.cp} = {L.gpus} GPUs, "
+                      f"not the {cluster.gpus} available")
     if L.tp > cluster.gpus_per_node:
         out.append(f"tp {L.tp} exceeds {cluster.gpus_per_node} GPUs per node "
                    "(TP all-reduces every layer: it needs NVLink)")
-    for what, n in (("heads", cfg.n_heads), ("key/value heads", cfg.kv_heads),
-                    ("MLP size", cfg.ffn_dim)):
-        if n % L.tp:
-            out.append(f"tp {L.tp} does not divide {n} {what}")
-    if stage_layers(cfg.n_layers, L.pp * L.interleave) is None:
-        each = f" x interleave {L.interleave}" if L.interleave > 1 else ""
-        out.append(f"pp {L.pp}{each} does not divide {cfg.n_layers} layers (even with the first "
-                   "and last stages one block short)")
-    if L.interleave > 1 and L.pp == 1:
-        out.append(f"interleave {L.interleave} needs pp > 1")
-    if job.seq_len % L.cp:
-        out.append(f"cp {L.cp} does not divide the sequence length {job.seq_len}")
-    elif L.cp > 1 and job.seq_len // L.cp < cluster.min_cp_tokens:
+    if L.cp > 1 and job.seq_len % L.cp == 0 and job.seq_len // L.cp < cluster.min_cp_tokens:
         out.append(f"cp {L.cp} cuts {job.seq_len}-token sequences into chunks of "
                    f"{job.seq_len // L.cp}, under {cluster.min_cp_tokens} (context parallelism "
                    "is for long sequences; see Cluster.min_cp_tokens)")
-    if L.ep > 1 and not cfg.is_moe:
-        out.append(f"ep {L.ep} needs a mixture-of-experts model; {cfg.name} is dense")
-    elif cfg.n_experts % L.ep:
-        out.append(f"ep {L.ep} does not divide {cfg.n_experts} experts")
-    if L.dp % L.ep:
-        out.append(f"ep {L.ep} does not divide dp {L.dp} (expert ranks are carved out of dp)")
-    if L.zero not in (0, 1, 2, 3):
-        out.append(f"ZeRO stage {L.zero!r} is not 0, 1, 2 or 3")
-    elif L.zero and L.dp < 2:
-        out.append(f"ZeRO stage {L.zero} shards over dp ranks and needs dp > 1")
-    if L.recompute not in RECOMPUTE:
-        out.append(f"recompute {L.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-    B = job.sequences
-    if B % (L.dp * L.micro_batch):
-        out.append(f"global batch of {B:,} sequences does not split into dp {L.dp} x "
-                   f"micro-batch {L.micro_batch}")
-    elif L.pp > 1 and B // (L.dp * L.micro_batch) < L.pp:
-        out.append(f"{B // (L.dp * L.micro_batch)} micro-batch(es) per replica cannot fill "
-                   f"{L.pp} pipeline stages (need at least pp)")
     return out
 
 

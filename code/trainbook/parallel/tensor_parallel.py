@@ -14,9 +14,9 @@ reduce-scatter followed by an all-gather, and moves the norms (and dropout) in b
 the TP region the activations are split along the sequence, so their memory is divided by tp,
 for the same communication volume.
 
-`TPTransformer` converts the reference `trainbook.model.Transformer` on every rank, keeping the
-reference parameter names, so `full_tensors` can gather the shards for comparison with
-`harness.reference`. Every collective goes through `Comm`, which counts calls and bytes.
+`parallelize_scratch` applies it to a copy of the reference `trainbook.model.Transformer` from
+outside, by swapping modules (the model's forward runs unchanged), keeping the reference
+parameter names, so `full_tensors` can gather the shards for comparison with `harness.reference`. Every collective goes through `Comm`, which counts calls and bytes.
 `parallelize_dtensor` does the same with PyTorch's `parallelize_module`; `run_tp` trains either
 and `sweep` runs several variants in one launch.
 """
@@ -36,6 +36,7 @@ from torch import nn
 from ..bench.collectives import bus_factor
 from ..configs import ModelConfig
 from ..model import Attention, Transformer
+from ..train.parallelize import tp_plan  # noqa: F401 (the one plan, shown in the chapter)
 from . import harness
 from ..launch import rank_device
 
@@ -359,64 +360,66 @@ def cross_entropy_rank(logits: torch.Tensor, targets: torch.Tensor) -> tuple[flo
 # The whole model
 # ---------------------------------------------------------------------------------------------
 
-class TPBlock(nn.Module):
-    def __init__(self, block: nn.Module, comm: Comm):
-        super().__init__()
-        self.attn_norm, self.mlp_norm = copy.deepcopy(block.attn_norm), copy.deepcopy(block.mlp_norm)
-        for p in list(self.attn_norm.parameters()) + list(self.mlp_norm.parameters()):
-            _replicated(p, comm)
-        self.attn, self.mlp = TPAttention(block.attn, comm), TPMLP(block.mlp, comm)
+class SequenceParallelPositions(nn.Embedding):
+    """Learned positions (gpt2), replicated. Under SP the embedding hands each rank its sequence
+    shard, so the rank adds its shard's rows of the table; without SP, all of them."""
 
-    def forward(self, x, rope=None):  # x: whole sequence (TP) or this rank's shard (TP + SP)
-        x = x + self.attn(self.attn_norm(x), rope)
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class TPTransformer(nn.Module):
-    """The reference model on one TP rank, with the reference parameter names.
-
-    forward(idx, targets) -> (this rank's vocabulary slice of the logits, mean loss). Under SP the
-    residual stream between blocks holds seq_len / tp positions per rank."""
-
-    def __init__(self, model: Transformer, comm: Comm):
-        super().__init__()
-        cfg = self.cfg = model.cfg
-        check_divisible(cfg, comm.tp)
+    def __init__(self, pos: nn.Embedding, comm: Comm):
+        super().__init__(pos.num_embeddings, pos.embedding_dim)
         self.comm = comm
-        self.embed = VocabParallelEmbedding(model.embed, comm)
-        self.pos = _replicated_module(model.pos, comm) if model.pos is not None else None
-        self.blocks = nn.ModuleList(TPBlock(b, comm) for b in model.blocks)
-        self.norm = _replicated_module(model.norm, comm)
-        self.head = ColumnParallelLinear(model.head, comm)
-        if cfg.tied:
-            self.head.weight = self.embed.weight  # the same V / tp rows serve both
-        if cfg.flavour == "llama":
-            self.register_buffer("rope_cos", model.rope_cos.clone(), persistent=False)
-            self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
+        self.weight = _replicated(nn.Parameter(pos.weight.detach().clone()), comm)
 
-    def forward(self, idx, targets):
-        B, T = idx.shape
-        check_divisible(self.cfg, self.comm.tp, T, self.comm.sp)
-        x = self.embed(idx)
-        rope = None
-        if self.pos is not None:
-            first = self.comm.rank * x.shape[1] if self.comm.sp else 0
-            x = x + self.pos(torch.arange(first, first + x.shape[1], device=idx.device))
-        else:
-            rope = (self.rope_cos, self.rope_sin)
-        for block in self.blocks:
-            x = block(x, rope)
-        logits = self.head(enter_tp(self.norm(x), self.comm, "head"))
-        loss = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                            self.comm, self.embed.start)
-        return logits, loss
+    def forward(self, positions):
+        full = super().forward(positions)  # (T, d_model)
+        if not self.comm.sp:
+            return full
+        n = full.shape[0] // self.comm.tp
+        return full[self.comm.rank * n:(self.comm.rank + 1) * n]  # (T / tp, d_model)
 
 
-def _replicated_module(m: nn.Module, comm: Comm) -> nn.Module:
-    m = copy.deepcopy(m)
-    for p in m.parameters():
+class ParallelHead(ColumnParallelLinear):
+    """The output layer: enter the TP region (f, or the all-gather of the sequence under SP),
+    then this rank's vocabulary slice of the logits, for the vocabulary-parallel loss."""
+
+    def __init__(self, linear: nn.Linear, comm: Comm):
+        super().__init__(linear, comm)
+        self.comm = comm
+
+    def forward(self, x):
+        return super().forward(enter_tp(x, self.comm, "head"))
+
+
+def parallelize_scratch(model: Transformer, comm: Comm) -> Transformer:
+    """Megatron TP (and SP) applied from outside to a copy of the reference model: the
+    embedding, attention, MLP and head are swapped for their parallel versions, norms marked
+    replicated; the model's own forward (`Transformer.trunk`) runs unchanged and returns this
+    rank's vocabulary slice of the logits (loss: `scratch_loss`). Parameter names stay the
+    reference's, so `full_tensors` can gather the shards for comparison. Under SP the residual
+    stream between blocks holds seq_len / tp positions per rank."""
+    check_divisible(model.cfg, comm.tp)
+    model = copy.deepcopy(model)
+    model.embed = VocabParallelEmbedding(model.embed, comm)
+    if model.pos is not None:
+        model.pos = SequenceParallelPositions(model.pos, comm)
+    for block in model.layers():
+        for p in (*block.attn_norm.parameters(), *block.mlp_norm.parameters()):
+            _replicated(p, comm)
+        block.attn, block.mlp = TPAttention(block.attn, comm), TPMLP(block.mlp, comm)
+    for p in model.norm.parameters():
         _replicated(p, comm)
-    return m
+    model.head = ParallelHead(model.head, comm)
+    if model.cfg.tied:
+        model.head.weight = model.embed.weight  # the same V / tp rows serve both
+    return model
+
+
+def scratch_loss(model: Transformer, comm: Comm, x: torch.Tensor, y: torch.Tensor):
+    """(this rank's logits slice (B, T, V / tp), mean loss over all tokens): the model's forward,
+    then the vocabulary-parallel cross-entropy in place of `lm_loss`."""
+    logits, _ = model(x)  # through __call__, so module hooks (CommDebugMode) see the root
+    loss = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                        comm, comm.rank * logits.shape[-1])
+    return logits, loss
 
 
 def sync_sequence_parallel_grads(model: nn.Module, comm: Comm) -> None:
@@ -476,43 +479,6 @@ def theory_counts(cfg: ModelConfig, sp: bool, batch: int, seq_len: int) -> list[
 # Native: DTensor parallelize_module
 # ---------------------------------------------------------------------------------------------
 
-def tp_plan(model: Transformer, sp: bool, shared_input: bool = True) -> dict:
-    """The parallelize_module plan for the reference model: module name -> ParallelStyle.
-    shared_input=False leaves each Colwise layer to convert its own input (TP only)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel)
-
-    gpt2 = model.cfg.flavour == "gpt2"
-    seq = Shard(1) if sp else Replicate()
-    # gpt2 adds learned positions to the embedding output, so keep it whole and shard the
-    # sequence at the first block's input instead (a local slice, no communication).
-    plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate() if gpt2 else seq),
-            "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
-    # q, k, v (and gate, up) read one input: convert it to a DTensor once, at the module's
-    # entry, so its gradient is reduced once (three Colwise layers would each all-reduce it).
-    entry = dict(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None))
-    if sp:
-        plan["norm"] = SequenceParallel()
-        if gpt2:
-            plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(), None),
-                                                  desired_input_layouts=(Shard(1), None),
-                                                  use_local_output=True)
-    for i in range(len(model.blocks)):
-        b = f"blocks.{i}."
-        for name in ("attn.q", "attn.k", "attn.v", "mlp.up") + (() if gpt2 else ("mlp.gate",)):
-            plan[b + name] = ColwiseParallel()
-        plan[b + "attn.o"] = RowwiseParallel(output_layouts=seq)
-        plan[b + "mlp.down"] = RowwiseParallel(output_layouts=seq)
-        if shared_input or sp:
-            plan[b + "attn"] = PrepareModuleInput(**entry)
-            plan[b + "mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-        if sp:
-            plan[b + "attn_norm"] = SequenceParallel()
-            plan[b + "mlp_norm"] = SequenceParallel()
-    return plan
-
-
 def parallelize_dtensor(model: Transformer, sp: bool = False, shared_input: bool = True):
     """Shard the reference model in place with DTensor over all ranks; returns (model, mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -542,7 +508,7 @@ def _build(setup: harness.Setup, kind: str, shared_input: bool = True):
     model = harness.build_model(setup).to(rank_device())
     if kind.startswith("scratch"):
         comm = Comm(tp, dist.get_rank(), sp)
-        return TPTransformer(model, comm), comm
+        return parallelize_scratch(model, comm), comm
     return parallelize_dtensor(model, sp, shared_input)[0], None
 
 
@@ -554,7 +520,7 @@ def _forward_backward(model, comm: Comm | None, x, y):
             logits, loss = model(x, y)
             loss.backward()
     else:
-        logits, loss = model(x, y)
+        logits, loss = scratch_loss(model, comm, x, y)
         loss.backward()
         sync_sequence_parallel_grads(model, comm)
     return logits, loss
@@ -636,44 +602,3 @@ def estimate_memory(setup: harness.Setup, tp: int, sp: bool):
 
     return estimate(MemoryInputs(model=setup.model_config(), dtype="fp32", optimizer=setup.optimizer,
                                  tp=tp, sp=sp, micro_batch=setup.global_batch, seq_len=setup.seq_len))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`torchrun --nproc_per_node T -m trainbook.parallel.tensor_parallel`: train the harness
-    model with each kind on T ranks (NCCL on GPUs, gloo on CPU) and print the collectives."""
-    import argparse
-    import datetime
-    import json
-    import os
-
-    p = argparse.ArgumentParser(prog="python -m trainbook.parallel.tensor_parallel", description=main.__doc__)
-    p.add_argument("--kind", choices=KINDS, action="append", help="implementation (repeatable; default: all)")
-    p.add_argument("--flavour", choices=("llama", "gpt2"), default="llama", help="model flavour")
-    p.add_argument("--d-model", type=int, default=256, help="hidden size")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--heads", type=int, default=8, help="query heads (divisible by the ranks)")
-    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (divisible by the ranks)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step (every rank sees all)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = p.parse_args(argv)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
-    kv = args.kv_heads if args.flavour == "llama" else args.heads
-    setup = harness.Setup(flavour=args.flavour, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                          n_kv_heads=kv, d_ff=4 * args.d_model, seq_len=args.seq_len, global_batch=args.batch)
-    ops = ("all_reduce", "all_gather", "reduce_scatter")
-    rows = [{"kind": k, "first loss": out["trace"].losses[0], "last loss": out["trace"].losses[-1],
-             **{op: out["observed"].get(op, 0) for op in ops}}
-            for k in (args.kind or KINDS) for out in [run_tp(setup, k)]]
-    if dist.get_rank() == 0:
-        from ..report import table
-        print(json.dumps(rows) if args.json else table(rows))
-    dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,22 +10,28 @@ or GPU, or several under `torchrun` with DistributedDataParallel.
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from . import configs
-from .bench import peak as peak_of
-from .compute.flops import training_flops_per_token, utilization
-from .data import ShardedLoader, build_dataset, make_tokenizer
-from .model import Transformer
+from .. import configs
+from ..bench import peak as peak_of
+from ..compute.flops import training_flops_per_token, utilization
+from ..data import ShardedLoader, build_dataset, make_tokenizer
+from ..layout import PP_SCHEDULES, RECOMPUTE, Layout, check_layout
+from ..model import Transformer
+from .parallelize import VIRTUAL
+from .checkpoint import (checkpoint_path, is_sharded, latest_checkpoint, load_checkpoint,
+                         load_sharded, rng_state, save_checkpoint, save_sharded, set_rng_state)
+from .engine import Composed, Plain, evaluate, global_loss  # noqa: F401 (evaluate: public)
 
 
 def _opt(default, help):  # a TrainConfig field whose help text becomes the CLI's --help
@@ -67,6 +73,18 @@ class TrainConfig:
     resume_from: str | None = _opt(None, "resume from this checkpoint file")
     stop_after: int | None = _opt(None, "stop after this step, as if interrupted (for demos)")
     timeout_s: int = _opt(300, "torch.distributed collective timeout, seconds")
+    dp_replicate: int = _opt(1, "data-parallel replicas: DDP, or with dp_shard > 1 HSDP's "
+                                "replicate dimension (under torchrun with every degree 1: all ranks)")
+    dp_shard: int = _opt(1, "ranks FSDP2 shards parameters, gradients and optimizer state over")
+    tp: int = _opt(1, "tensor-parallel ranks (DTensor TP with sequence parallel, loss parallel)")
+    pp: int = _opt(1, "pipeline stages' ranks (torch.distributed.pipelining; micro-batches: "
+                      "grad_accum)")
+    pp_schedule: str = _opt("1f1b", "gpipe, 1f1b, interleaved-1f1b or zbv (2 stages per rank)")
+    cp: int = _opt(1, "context-parallel ranks (needs CUDA SDPA kernels: refused on CPU)")
+    recompute: str = _opt("none", "activation recomputation: none, selective (keep matmul "
+                                  "outputs) or full (keep block inputs)")
+    layout: str | None = _opt(None, "JSON file with a layout (a `plan --json` output or one of "
+                                    "its layouts): sets dp, tp, pp, ZeRO, micro-batch, recompute")
     progress: bool = _opt(True, "show a progress bar")
     cache_dir: str | None = _opt(None, "directory to cache the trained tokenizer")
 
@@ -91,6 +109,18 @@ class TrainConfig:
             raise ValueError(f"stop_after must be >= 1 (or None), got {self.stop_after}")
         if (self.ckpt_every or self.resume) and not self.ckpt_dir:
             raise ValueError("ckpt_every and resume need ckpt_dir")
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, "
+                             f"got {self.recompute!r}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"pp_schedule must be one of {', '.join(PP_SCHEDULES)}, "
+                             f"got {self.pp_schedule!r}")
+        if self.layout is not None and not Path(self.layout).is_file():
+            raise ValueError(f"layout file {self.layout!r} does not exist; write one with "
+                             "python -m trainbook plan ... --json > layout.json")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -117,44 +147,6 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-
-
-def save_checkpoint(path: str | Path, state: dict) -> None:
-    """torch.save to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def checkpoint_path(ckpt_dir: str | Path, step: int) -> Path:
-    return Path(ckpt_dir) / f"step-{step:06d}.pt"
-
-
-def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """The highest-step checkpoint in ckpt_dir, or None when there is none yet."""
-    found = sorted(Path(ckpt_dir).glob("step-*.pt"))
-    return found[-1] if found else None
-
-
-def load_checkpoint(path: str | Path) -> dict:
-    """Load with weights_only=True: a checkpoint cannot run code."""
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @dataclass
@@ -220,23 +212,82 @@ class TrainResult:
     peak_source: str
     val_loss: float | None
     world_size: int = 1
+    layout: Layout | None = None
 
     def losses(self) -> list[float]:
         return [r["loss"] for r in self.history]
 
 
-@torch.no_grad()
-def evaluate(model, blocks: torch.Tensor, batch_size: int, batches: int, device, autocast) -> float:
-    """Mean loss over the first `batches` batches of `blocks` (a fixed, comparable set)."""
-    was_training = model.training
-    model.eval()
-    losses = []
-    for i in range(min(batches, max(1, len(blocks) // batch_size))):
-        block = blocks[i * batch_size:(i + 1) * batch_size].to(device)
-        with autocast():
-            losses.append(model(block[:, :-1], block[:, 1:])[1].item())
-    model.train(was_training)
-    return sum(losses) / len(losses)
+def read_layout(path: str) -> Layout:
+    """A layout from a JSON file: one layout's fields, or `plan --json` output (its first
+    layout, the best ranked)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read layout file {path}: {e}") from None
+    if isinstance(data, dict) and "layouts" in data:
+        if not data["layouts"]:
+            raise ValueError(f"{path} lists no feasible layout; plan with more GPUs")
+        data = data["layouts"][0]
+    if not isinstance(data, dict) or not set(data) & set(Layout.__dataclass_fields__):
+        raise ValueError(f"{path} holds no layout: give a JSON object with some of "
+                         f"{', '.join(Layout.__dataclass_fields__)}")
+    return Layout.from_dict(data)
+
+
+def layout_for(cfg: TrainConfig, world: int, mcfg: configs.ModelConfig) -> Layout:
+    """The layout this run trains under, checked against the model, the launch and the device.
+
+    Degrees come from the options (or a layout file). Every degree 1 under torchrun means DDP
+    over all ranks, as before layouts existed."""
+    if cfg.layout:  # the file decides; a planner's interleave 2 is interleaved 1F1B here
+        lay = read_layout(cfg.layout)
+        if lay.interleave > 1 and VIRTUAL[lay.pp_schedule] == 1:
+            lay = replace(lay, pp_schedule="interleaved-1f1b")
+        if lay.pp > 1 and lay.interleave != VIRTUAL[lay.pp_schedule]:
+            raise ValueError(f"interleave {lay.interleave} does not match pp_schedule "
+                             f"{lay.pp_schedule} ({VIRTUAL[lay.pp_schedule]} stages per rank)")
+    else:
+        R, S = cfg.dp_replicate, cfg.dp_shard
+        if world > 1 and R == S == cfg.tp == cfg.pp == cfg.cp == 1:
+            R = world
+        lay = Layout(dp=R * S, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, zero=3 if S > 1 else 0,
+                     dp_replicate=R if S > 1 else 1, micro_batch=cfg.batch_size,
+                     recompute=cfg.recompute, pp_schedule=cfg.pp_schedule,
+                     interleave=VIRTUAL[cfg.pp_schedule] if cfg.pp > 1 else 1)
+    check_layout(lay, mcfg, cfg.seq_len)
+    if lay.gpus != world:
+        raise ValueError(f"layout {lay.short()} needs {lay.gpus} ranks but {world} were "
+                         f"started: use torchrun --nproc_per_node {lay.gpus}, or change the layout")
+    if lay.cp > 1:
+        raise ValueError("context parallelism in the trainer needs PyTorch's CUDA attention "
+                         "kernels; on a CPU run the from-scratch version: python -m trainbook cp")
+    if lay.ep > 1:
+        raise ValueError("expert parallelism is not in the trainer yet: python -m trainbook ep "
+                         "runs the from-scratch version")
+    stages = lay.pp * VIRTUAL[lay.pp_schedule] if lay.pp > 1 else 1
+    if lay.pp > 1 and mcfg.n_layers % stages:
+        raise ValueError(f"{mcfg.n_layers} layers do not split into {stages} equal pipeline "
+                         f"stages ({lay.pp} ranks x {VIRTUAL[lay.pp_schedule]} per rank with "
+                         f"{lay.pp_schedule}); pick pp and a schedule that divide the layers")
+    if lay.pp > 1 and lay.pp_schedule == "zbv":
+        raise ValueError("the zbv schedule is in the pipeline chapter (python -m trainbook "
+                         "pipeline demos), not the trainer: in torch 2.13 its eval fails and, "
+                         "with FSDP2, its split weight gradients skip the reduce-scatter; use "
+                         "gpipe, 1f1b or interleaved-1f1b")
+    if lay.pp > 1 and mcfg.tied:
+        raise ValueError(f"{mcfg.name} ties its embedding and head, which live on different "
+                         "pipeline stages; the trainer's pipeline needs an untied model (llama)")
+    if lay.pp > 1 and cfg.grad_accum < stages:
+        raise ValueError(f"the pipeline runs grad_accum micro-batches per step: give "
+                         f"--grad-accum >= {stages} to fill {stages} stages")
+    composed = lay.dp_shard > 1 or lay.tp > 1 or lay.pp > 1
+    if composed and cfg.dtype == "fp16":
+        raise ValueError("fp16 loss scaling is wired for one process and DDP only; "
+                         "use --dtype bf16 with FSDP, TP or PP")
+    if composed and cfg.compile:
+        raise ValueError("--compile is wired for one process and DDP only")
+    return lay
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -252,59 +303,89 @@ def train(cfg: TrainConfig) -> TrainResult:
     data = build_dataset(tokenizer, cfg.seq_len, cfg.corpus)
     mcfg = model_config(cfg, tokenizer.vocab_size)
 
+    lay = layout_for(cfg, ddp.world_size, mcfg)
+    if cfg.layout:  # the layout file's micro-batch, recomputation and schedule win
+        cfg = replace(cfg, batch_size=lay.micro_batch, recompute=lay.recompute,
+                      pp_schedule=lay.pp_schedule)
+    composed = lay.dp_shard > 1 or lay.tp > 1 or lay.pp > 1
+
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    model = Transformer(mcfg).to(device)
-    optimizer = make_optimizer(model, cfg)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
-    loader = ShardedLoader(data.train, cfg.batch_size, ddp.rank, ddp.world_size, cfg.seed)
+    model = Transformer(mcfg).to(device)  # every rank the same weights: sharding starts whole
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype)
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
+    if composed:
+        from .parallelize import build_mesh
+        mesh = build_mesh(lay, device.type)
+        dp_rank = mesh.get_local_rank("dp_replicate") * lay.dp_shard + \
+            mesh.get_local_rank("dp_shard")
+        engine = Composed(model, lay, mesh, device, autocast, cfg.grad_accum)
+    else:
+        dp_rank = ddp.rank
+        from .parallelize import apply_recompute
+        apply_recompute(model, cfg.recompute)
+        train_model = torch.compile(model) if cfg.compile else model
+        if ddp.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            train_model = DDP(train_model,
+                              device_ids=[device.index] if device.type == "cuda" else None)
+        engine = Plain(model, train_model, ddp.enabled, autocast, scaler)
+    optimizer = make_optimizer(torch.nn.ModuleList(engine.parts), cfg)
+    loader = ShardedLoader(data.train, cfg.batch_size, dp_rank, lay.dp, cfg.seed)
 
     start_step, history = 0, []
     resume_path = Path(cfg.resume_from) if cfg.resume_from else \
         (latest_checkpoint(cfg.ckpt_dir) if cfg.resume else None)
     if resume_path is not None:
-        if not resume_path.is_file():
+        if is_sharded(resume_path):  # DCP: reshards into this layout (or one process)
+            state = load_sharded(resume_path, engine.parts, optimizer)
+        elif composed:
+            raise ValueError(f"{resume_path} is a single-file checkpoint; a sharded layout "
+                             "resumes from a DCP folder (step-NNNNNN/): resume it in one process "
+                             "or with DDP, or start again")
+        elif resume_path.is_file():
+            state = load_checkpoint(resume_path)
+        else:
             raise ValueError(f"no checkpoint at {resume_path}")
-        state = load_checkpoint(resume_path)
         if state["model_config"] != mcfg.to_dict():
             raise ValueError(f"checkpoint {resume_path} holds a different model "
                              f"({state['model_config']['name']}, d_model {state['model_config']['d_model']}); "
                              "resume with the same model settings or use another ckpt_dir")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
+        if "model" in state:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scaler.load_state_dict(state["scaler"])
         loader.load_state_dict(state["loader"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         start_step, history = state["step"], state["history"]
         log(f"resumed from {resume_path} at step {start_step}")
-
-    train_model = model
-    if cfg.compile:
-        train_model = torch.compile(model)
-    if ddp.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        train_model = DDP(train_model, device_ids=[device.index] if device.type == "cuda" else None)
 
     flops_per_token = training_flops_per_token(mcfg, cfg.seq_len)
     key = peak_dtype(cfg, device)
     spec = peak_of.detect(device, key)
     peak = spec.peak_flops(key)
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * ddp.world_size
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * lay.dp
 
     def checkpoint(step):
-        if ddp.is_main and cfg.ckpt_dir:
+        if not cfg.ckpt_dir:
+            return
+        extra = {"loader": loader.state_dict(), "rng": rng_state(), "step": step,
+                 "history": history, "model_config": mcfg.to_dict(), "train_config": asdict(cfg),
+                 "layout": lay.to_dict()}
+        if composed:
+            save_sharded(checkpoint_path(cfg.ckpt_dir, step, sharded=True), engine.parts,
+                         optimizer, extra)
+        elif ddp.is_main:
             save_checkpoint(checkpoint_path(cfg.ckpt_dir, step), {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict(), "loader": loader.state_dict(), "rng": _rng_state(),
-                "step": step, "history": history, "model_config": mcfg.to_dict(),
-                "train_config": asdict(cfg)})
+                "scaler": scaler.state_dict(), **extra})
 
     from tqdm.auto import tqdm
     bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps,
                disable=not (cfg.progress and ddp.is_main), desc="train")
-    model.train()
+    for part in engine.parts:
+        part.train()
     last = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
     for step in bar:
         if step >= last:
@@ -313,31 +394,20 @@ def train(cfg: TrainConfig) -> TrainResult:
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(cfg.grad_accum):
-            x, y = (t.to(device) for t in loader.next_batch())
-            sync = not ddp.enabled or micro == cfg.grad_accum - 1
-            with (nullcontext() if sync else train_model.no_sync()), autocast():
-                _, loss = train_model(x, y)
-            scaler.scale(loss / cfg.grad_accum).backward()
-            loss_sum += loss.detach()
-        scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+        batches = [tuple(t.to(device) for t in loader.next_batch()) for _ in range(cfg.grad_accum)]
+        loss = engine.step(batches)
+        norm = engine.clip(optimizer, cfg.grad_clip or float("inf"))
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        loss_val = loss_sum / cfg.grad_accum
-        if ddp.enabled:  # log the global mean loss (gloo has no ReduceOp.AVG)
-            dist.all_reduce(loss_val)
-            loss_val /= ddp.world_size
-        loss_val = loss_val.item()  # synchronises: the step time below is real
+        loss_val = global_loss(loss, device)  # synchronises: the step time below is real
         dt = time.perf_counter() - t0
         tps = tokens_per_step / dt
         rec = {"step": step + 1, "loss": loss_val, "lr": lr, "grad_norm": norm.item(),
                "step_time_s": dt, "tokens_per_s": tps,
                "mfu": utilization(flops_per_token * tokens_per_step, dt, peak, ddp.world_size)}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            rec["val_loss"] = evaluate(model, data.val, cfg.batch_size, cfg.eval_batches, device, autocast)
+            rec["val_loss"] = engine.evaluate(data.val, cfg.batch_size, cfg.eval_batches, device)
         history.append(rec)
         bar.set_postfix(loss=f"{loss_val:.3f}")
         if cfg.log_every and ((step + 1) % cfg.log_every == 0 or step == start_step):
@@ -349,11 +419,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     done = len(history)
     if cfg.ckpt_dir and not cfg.ckpt_every:
         checkpoint(done)
-    val = evaluate(model, data.val, cfg.batch_size, cfg.eval_batches, device, autocast)
+    val = engine.evaluate(data.val, cfg.batch_size, cfg.eval_batches, device)
     if cfg.log_every:
         log(f"done: {done} steps, validation loss {val:.4f}")
     return TrainResult(history, model, tokenizer, mcfg, cfg, flops_per_token, peak, spec.source, val,
-                       ddp.world_size)
+                       ddp.world_size, lay)
 
 
 def generate_text(model: Transformer, tokenizer, prompt: str, max_new_tokens: int = 200,
