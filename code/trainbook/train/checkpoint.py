@@ -69,6 +69,21 @@ def load_checkpoint(path: str | Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def as_one_module(parts: list) -> torch.nn.Module:
+    """The model parts of this rank (pipeline stages, or the whole model) under one module with
+    the reference names ("blocks.3.attn.q.weight"), so DCP keys are the same in every layout."""
+    one, blocks = torch.nn.Module(), torch.nn.ModuleDict()
+    for part in parts:
+        for name, child in part.named_children():
+            if name == "blocks":
+                items = child.items() if isinstance(child, torch.nn.ModuleDict) else enumerate(child)
+                blocks.update({str(k): b for k, b in items})
+            elif child is not None:
+                setattr(one, name, child)
+    one.blocks = blocks
+    return one
+
+
 def save_sharded(path: str | Path, parts: list, optimizer, extra: dict) -> None:
     """Every rank writes its shards of model and optimizer state (DCP); rank 0 the extra state,
     last, so a folder with `extra.pt` in it is complete."""
@@ -76,7 +91,7 @@ def save_sharded(path: str | Path, parts: list, optimizer, extra: dict) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     path = Path(path)
-    model_sd, optim_sd = get_state_dict(parts, optimizer)
+    model_sd, optim_sd = get_state_dict(as_one_module(parts), optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     if dist.is_initialized():
         dist.barrier()
@@ -92,10 +107,11 @@ def load_sharded(path: str | Path, parts: list, optimizer) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(parts, optimizer)
+    one = as_one_module(parts)
+    model_sd, optim_sd = get_state_dict(one, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(parts, optimizer, model_state_dict=state["model"],
+    set_state_dict(one, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     return load_checkpoint(Path(path) / EXTRA)
 

@@ -218,9 +218,9 @@ class TrainResult:
         return [r["loss"] for r in self.history]
 
 
-def read_layout(path: str) -> Layout:
+def read_layout(path: str) -> tuple[Layout, dict]:
     """A layout from a JSON file: one layout's fields, or `plan --json` output (its first
-    layout, the best ranked)."""
+    layout, the best ranked); returns the layout and the JSON object it came from."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -232,7 +232,7 @@ def read_layout(path: str) -> Layout:
     if not isinstance(data, dict) or not set(data) & set(Layout.__dataclass_fields__):
         raise ValueError(f"{path} holds no layout: give a JSON object with some of "
                          f"{', '.join(Layout.__dataclass_fields__)}")
-    return Layout.from_dict(data)
+    return Layout.from_dict(data), data
 
 
 def layout_for(cfg: TrainConfig, world: int, mcfg: configs.ModelConfig) -> Layout:
@@ -241,7 +241,7 @@ def layout_for(cfg: TrainConfig, world: int, mcfg: configs.ModelConfig) -> Layou
     Degrees come from the options (or a layout file). Every degree 1 under torchrun means DDP
     over all ranks, as before layouts existed."""
     if cfg.layout:  # the file decides; a planner's interleave 2 is interleaved 1F1B here
-        lay = read_layout(cfg.layout)
+        lay = read_layout(cfg.layout)[0]
         if lay.interleave > 1 and VIRTUAL[lay.pp_schedule] == 1:
             lay = replace(lay, pp_schedule="interleaved-1f1b")
         if lay.pp > 1 and lay.interleave != VIRTUAL[lay.pp_schedule]:
@@ -256,9 +256,6 @@ def layout_for(cfg: TrainConfig, world: int, mcfg: configs.ModelConfig) -> Layou
                      recompute=cfg.recompute, pp_schedule=cfg.pp_schedule,
                      interleave=VIRTUAL[cfg.pp_schedule] if cfg.pp > 1 else 1)
     check_layout(lay, mcfg, cfg.seq_len)
-    if lay.gpus != world:
-        raise ValueError(f"layout {lay.short()} needs {lay.gpus} ranks but {world} were "
-                         f"started: use torchrun --nproc_per_node {lay.gpus}, or change the layout")
     if lay.cp > 1:
         raise ValueError("context parallelism in the trainer needs PyTorch's CUDA attention "
                          "kernels; on a CPU run the from-scratch version: python -m trainbook cp")
@@ -287,6 +284,9 @@ def layout_for(cfg: TrainConfig, world: int, mcfg: configs.ModelConfig) -> Layou
                          "use --dtype bf16 with FSDP, TP or PP")
     if composed and cfg.compile:
         raise ValueError("--compile is wired for one process and DDP only")
+    if lay.gpus != world:
+        raise ValueError(f"layout {lay.short()} needs {lay.gpus} ranks but {world} were "
+                         f"started: use torchrun --nproc_per_node {lay.gpus}, or change the layout")
     return lay
 
 
@@ -304,9 +304,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     mcfg = model_config(cfg, tokenizer.vocab_size)
 
     lay = layout_for(cfg, ddp.world_size, mcfg)
-    if cfg.layout:  # the layout file's micro-batch, recomputation and schedule win
+    if cfg.layout:  # the layout file's micro-batch (and count), recomputation and schedule win
+        row = read_layout(cfg.layout)[1]
         cfg = replace(cfg, batch_size=lay.micro_batch, recompute=lay.recompute,
-                      pp_schedule=lay.pp_schedule)
+                      pp_schedule=lay.pp_schedule,
+                      grad_accum=row.get("micro-batches") or cfg.grad_accum)
     composed = lay.dp_shard > 1 or lay.tp > 1 or lay.pp > 1
 
     torch.manual_seed(cfg.seed)
