@@ -1,18 +1,20 @@
 """The one runtime: the reference trainer, its configuration, checkpoints and native parallelism.
 
-`loop` holds the configuration and the training loop; `parallelize` builds the named device mesh
-from a layout and applies PyTorch's own parallelism to the model from outside; `checkpoint`
-saves and loads (atomic single files, or sharded with torch.distributed.checkpoint).
+`config` holds the options and the layout they ask for; `loop` the training loop; `engine` how
+one step runs (one process or DDP, or a composed layout); `parallelize` builds the named device
+mesh and applies PyTorch's own parallelism to the model from outside; `checkpoint` saves and
+loads (atomic single files, or sharded with torch.distributed.checkpoint).
 
 Chapter: book/start/first-run; book/parallelism/putting-it-together (layouts).
 """
 
-from .loop import (Distributed, TrainConfig, TrainResult, checkpoint_path, config_fields,
-                   evaluate, generate_text, init_distributed, latest_checkpoint, load_checkpoint,
-                   lr_at, make_optimizer, model_config, peak_dtype, resolve_device,
-                   save_checkpoint, train)
+from .checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig, config_fields, layout_for, model_config, read_layout
+from .engine import evaluate
+from .loop import (Distributed, TrainResult, generate_text, init_distributed, lr_at,
+                   make_optimizer, peak_dtype, resolve_device, train)
 
 __all__ = ["Distributed", "TrainConfig", "TrainResult", "checkpoint_path", "config_fields",
-           "evaluate", "generate_text", "init_distributed", "latest_checkpoint",
+           "evaluate", "generate_text", "init_distributed", "latest_checkpoint", "layout_for",
            "load_checkpoint", "lr_at", "make_optimizer", "model_config", "peak_dtype",
-           "resolve_device", "save_checkpoint", "train"]
+           "read_layout", "resolve_device", "save_checkpoint", "train"]

@@ -1,0 +1,193 @@
+"""The trainer's configuration: one option per field, and the layout a configuration asks for.
+
+`TrainConfig`'s fields carry their help text, so `python -m trainbook train --help` documents
+every option from here. `layout_for` turns the parallelism options (or a layout file written by
+`python -m trainbook plan --json`) into one `trainbook.layout.Layout`, checked against the
+model, the launch and what the trainer implements, before any work is done.
+
+Chapter: book/start/first-run; book/parallelism/putting-it-together.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from .. import configs
+from ..layout import PP_SCHEDULES, RECOMPUTE, Layout, check_layout
+from .parallelize import VIRTUAL
+
+
+def _opt(default, help):  # a TrainConfig field whose help text becomes the CLI's --help
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    model: str = _opt("tiny-llama", "preset name or path to a Hugging Face config.json")
+    d_model: int | None = _opt(None, "override the preset's hidden size")
+    n_layers: int | None = _opt(None, "override the preset's number of layers")
+    n_heads: int | None = _opt(None, "override the preset's number of attention heads")
+    n_kv_heads: int | None = _opt(None, "override the preset's number of key/value heads")
+    d_ff: int | None = _opt(None, "override the preset's MLP hidden size")
+    tokenizer: str = _opt("bpe", "'bpe' (trained on the corpus) or 'bytes'")
+    vocab_size: int = _opt(1024, "BPE vocabulary size (ignored for bytes)")
+    corpus: str = _opt("tinyshakespeare", "shipped corpus to train on")
+    seq_len: int = _opt(128, "tokens per sequence")
+    batch_size: int = _opt(16, "sequences per micro-batch per rank")
+    grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
+    steps: int = _opt(200, "optimizer steps")
+    lr: float = _opt(3e-3, "peak learning rate")
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of the peak")
+    warmup_steps: int = _opt(20, "linear warmup steps")
+    weight_decay: float = _opt(0.1, "AdamW weight decay (matrices only)")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.95, "AdamW beta2")
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: off)")
+    dtype: str = _opt("fp32", "autocast dtype: fp32 (off), bf16, or fp16 (with loss scaling)")
+    seed: int = _opt(0, "seed for initialisation and data order")
+    device: str = _opt("auto", "'auto', 'cpu', 'cuda' (under torchrun: cuda:LOCAL_RANK)")
+    compile: bool = _opt(False, "torch.compile the model")
+    log_every: int = _opt(10, "print a log line every this many steps (0: never)")
+    eval_every: int = _opt(0, "validation loss every this many steps (0: only at the end)")
+    eval_batches: int = _opt(8, "validation batches per evaluation")
+    ckpt_dir: str | None = _opt(None, "directory for checkpoints (none: no checkpoints)")
+    ckpt_every: int = _opt(0, "save a checkpoint every this many steps (0: only at the end)")
+    resume: bool = _opt(False, "resume from the newest checkpoint in ckpt_dir, if there is one")
+    resume_from: str | None = _opt(None, "resume from this checkpoint file")
+    stop_after: int | None = _opt(None, "stop after this step, as if interrupted (for demos)")
+    timeout_s: int = _opt(300, "torch.distributed collective timeout, seconds")
+    dp_replicate: int = _opt(1, "data-parallel replicas: DDP, or with dp_shard > 1 HSDP's "
+                                "replicate dimension (under torchrun with every degree 1: all ranks)")
+    dp_shard: int = _opt(1, "ranks FSDP2 shards parameters, gradients and optimizer state over")
+    tp: int = _opt(1, "tensor-parallel ranks (DTensor TP with sequence parallel, loss parallel)")
+    pp: int = _opt(1, "pipeline stages' ranks (torch.distributed.pipelining; micro-batches: "
+                      "grad_accum)")
+    pp_schedule: str = _opt("1f1b", "gpipe, 1f1b, interleaved-1f1b or zbv (2 stages per rank)")
+    cp: int = _opt(1, "context-parallel ranks (needs CUDA SDPA kernels: refused on CPU)")
+    recompute: str = _opt("none", "activation recomputation: none, selective (keep matmul "
+                                  "outputs) or full (keep block inputs)")
+    layout: str | None = _opt(None, "JSON file with a layout (a `plan --json` output or one of "
+                                    "its layouts): sets dp, tp, pp, ZeRO, micro-batch, recompute")
+    progress: bool = _opt(True, "show a progress bar")
+    cache_dir: str | None = _opt(None, "directory to cache the trained tokenizer")
+
+    def __post_init__(self):
+        positive = ("seq_len", "batch_size", "grad_accum", "steps", "eval_batches", "vocab_size",
+                    "timeout_s")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"need lr > 0 and min_lr_ratio in [0, 1], got {self.lr}, {self.min_lr_ratio}")
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ValueError("grad_clip and weight_decay must be >= 0")
+        for name in ("log_every", "eval_every", "ckpt_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"stop_after must be >= 1 (or None), got {self.stop_after}")
+        if (self.ckpt_every or self.resume) and not self.ckpt_dir:
+            raise ValueError("ckpt_every and resume need ckpt_dir")
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, "
+                             f"got {self.recompute!r}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"pp_schedule must be one of {', '.join(PP_SCHEDULES)}, "
+                             f"got {self.pp_schedule!r}")
+        if self.layout is not None and not Path(self.layout).is_file():
+            raise ValueError(f"layout file {self.layout!r} does not exist; write one with "
+                             "python -m trainbook plan ... --json > layout.json")
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> configs.ModelConfig:
+    """The preset with the tokenizer's vocabulary, the training context and any size overrides."""
+    overrides = {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
+                 if getattr(cfg, k) is not None}
+    base = configs.resolve(cfg.model)
+    return base.with_(vocab_size=vocab_size, max_seq_len=cfg.seq_len, **overrides)
+
+
+def read_layout(path: str) -> tuple[Layout, dict]:
+    """A layout from a JSON file: one layout's fields, or `plan --json` output (its first
+    layout, the best ranked); returns the layout and the JSON object it came from."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read layout file {path}: {e}") from None
+    if isinstance(data, dict) and "layouts" in data:
+        if not data["layouts"]:
+            raise ValueError(f"{path} lists no feasible layout; plan with more GPUs")
+        data = data["layouts"][0]
+    if not isinstance(data, dict) or not set(data) & set(Layout.__dataclass_fields__):
+        raise ValueError(f"{path} holds no layout: give a JSON object with some of "
+                         f"{', '.join(Layout.__dataclass_fields__)}")
+    return Layout.from_dict(data), data
+
+
+def layout_for(cfg: TrainConfig, world: int, mcfg: configs.ModelConfig) -> Layout:
+    """The layout this run trains under, checked against the model, the launch and the device.
+
+    Degrees come from the options (or a layout file). Every degree 1 under torchrun means DDP
+    over all ranks, as before layouts existed."""
+    if cfg.layout:  # the file decides; a planner's interleave 2 is interleaved 1F1B here
+        lay = read_layout(cfg.layout)[0]
+        if lay.interleave > 1 and VIRTUAL[lay.pp_schedule] == 1:
+            lay = replace(lay, pp_schedule="interleaved-1f1b")
+        if lay.pp > 1 and lay.interleave != VIRTUAL[lay.pp_schedule]:
+            raise ValueError(f"interleave {lay.interleave} does not match pp_schedule "
+                             f"{lay.pp_schedule} ({VIRTUAL[lay.pp_schedule]} stages per rank)")
+    else:
+        R, S = cfg.dp_replicate, cfg.dp_shard
+        if world > 1 and R == S == cfg.tp == cfg.pp == cfg.cp == 1:
+            R = world
+        lay = Layout(dp=R * S, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, zero=3 if S > 1 else 0,
+                     dp_replicate=R if S > 1 else 1, micro_batch=cfg.batch_size,
+                     recompute=cfg.recompute, pp_schedule=cfg.pp_schedule,
+                     interleave=VIRTUAL[cfg.pp_schedule] if cfg.pp > 1 else 1)
+    check_layout(lay, mcfg, cfg.seq_len)
+    if lay.cp > 1:
+        raise ValueError("context parallelism in the trainer needs PyTorch's CUDA attention "
+                         "kernels; on a CPU run the from-scratch version: python -m trainbook cp")
+    if lay.ep > 1:
+        raise ValueError("expert parallelism is not in the trainer yet: python -m trainbook ep "
+                         "runs the from-scratch version")
+    stages = lay.pp * VIRTUAL[lay.pp_schedule] if lay.pp > 1 else 1
+    if lay.pp > 1 and mcfg.n_layers % stages:
+        raise ValueError(f"{mcfg.n_layers} layers do not split into {stages} equal pipeline "
+                         f"stages ({lay.pp} ranks x {VIRTUAL[lay.pp_schedule]} per rank with "
+                         f"{lay.pp_schedule}); pick pp and a schedule that divide the layers")
+    if lay.pp > 1 and lay.pp_schedule == "zbv":
+        raise ValueError("the zbv schedule is in the pipeline chapter (python -m trainbook "
+                         "pipeline demos), not the trainer: in torch 2.13 its eval fails and, "
+                         "with FSDP2, its split weight gradients skip the reduce-scatter; use "
+                         "gpipe, 1f1b or interleaved-1f1b")
+    if lay.pp > 1 and mcfg.tied:
+        raise ValueError(f"{mcfg.name} ties its embedding and head, which live on different "
+                         "pipeline stages; the trainer's pipeline needs an untied model (llama)")
+    if lay.pp > 1 and cfg.grad_accum < stages:
+        raise ValueError(f"the pipeline runs grad_accum micro-batches per step: give "
+                         f"--grad-accum >= {stages} to fill {stages} stages")
+    composed = lay.dp_shard > 1 or lay.tp > 1 or lay.pp > 1
+    if composed and cfg.dtype == "fp16":
+        raise ValueError("fp16 loss scaling is wired for one process and DDP only; "
+                         "use --dtype bf16 with FSDP, TP or PP")
+    if composed and cfg.compile:
+        raise ValueError("--compile is wired for one process and DDP only")
+    if lay.gpus != world:
+        raise ValueError(f"layout {lay.short()} needs {lay.gpus} ranks but {world} were "
+                         f"started: use torchrun --nproc_per_node {lay.gpus}, or change the layout")
+    return lay
+
+
+def config_fields() -> list:
+    """TrainConfig's fields with their help text (the CLI builds its options from these)."""
+    return list(fields(TrainConfig))
