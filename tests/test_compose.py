@@ -8,12 +8,12 @@ Every launch has a timeout.
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+from trainbook import launch
 from trainbook.train import TrainConfig, train
 
 STEPS, BATCH, ACCUM = 5, 2, 2
@@ -34,13 +34,8 @@ def torchrun(tmp_path, name: str, nprocs: int = 4, **kw) -> dict:
     """Run the trainer under torchrun; the rank-0 summary and history from --json-out."""
     out = tmp_path / f"{name}.json"
     args = {**COMMON, "batch_size": BATCH, "grad_accum": ACCUM, **kw}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nprocs}", "-m", "trainbook", "train", *flags(**args),
-           "--json-out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
-                       cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    launch.torchrun(["train", *flags(**args), "--json-out", out], nprocs, timeout_s=240,
+                    cwd=tmp_path)
     return json.loads(out.read_text())
 
 
@@ -129,6 +124,13 @@ def test_bad_layouts_are_refused_before_any_work(options, message):
     kw = {**COMMON, "batch_size": BATCH, "grad_accum": ACCUM, **options}
     with pytest.raises(ValueError, match=message):
         train(TrainConfig(**kw))
+
+
+def test_torchrun_reports_failures_and_bad_input(tmp_path):
+    with pytest.raises(RuntimeError, match="needs 4 ranks but 2 were started"):
+        launch.torchrun(["train", *flags(**COMMON), "--dp-shard", "4"], 2, timeout_s=120)
+    with pytest.raises(ValueError, match="nprocs must be a positive integer"):
+        launch.torchrun(["train"], 0)
 
 
 def test_a_layout_file_without_a_layout_is_refused(tmp_path):

@@ -125,3 +125,33 @@ def run(fn: Callable, nprocs: int = 2, args: tuple = (), kwargs: dict | None = N
                 p.kill()
                 p.join()
     return [RankResult(r, *collected[r]) for r in range(nprocs)]
+
+
+def torchrun(args: list[str], nprocs: int, timeout_s: float = 300, cwd=None,
+             threads: int = 1) -> str:
+    """`python -m trainbook ARGS` under torchrun on `nprocs` local ranks (gloo on a CPU, NCCL
+    on GPUs, as the command chooses), with a timeout; returns rank 0's standard output.
+
+    What a reader types in a shell, run from a notebook or a test: `threads` OpenMP threads per
+    rank (several ranks on a few cores thrash with more). A failure raises with the end of the
+    ranks' error output; a run past `timeout_s` is killed and raises TimeoutError."""
+    import subprocess
+    import sys
+
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nprocs}", "-m", "trainbook", *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
+                           cwd=cwd)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"torchrun -m trainbook {' '.join(map(str, args))} on {nprocs} ranks "
+                           f"did not finish in {timeout_s:.0f} s") from None
+    if r.returncode:
+        raise RuntimeError(f"torchrun -m trainbook {' '.join(map(str, args))} failed "
+                           f"(exit {r.returncode}):\n{r.stderr[-3000:]}")
+    return r.stdout
