@@ -9,7 +9,8 @@ from trainbook.commands import COMMANDS
 
 
 def test_top_level_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "trainbook", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "trainbook", "--help"], capture_output=True,
+                         text=True, timeout=60)
     assert out.returncode == 0
     for name in COMMANDS:
         assert name in out.stdout
@@ -52,10 +53,10 @@ def test_hardware_json(capsys):
 
 def test_train_command_runs(cache_dir, tmp_path, capsys):
     out = tmp_path / "run.json"
-    assert main(["train", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1",
-                 "--d-ff", "32", "--vocab-size", "300", "--seq-len", "16", "--batch-size", "4",
-                 "--steps", "3", "--warmup-steps", "1", "--no-progress", "--cache-dir", cache_dir,
-                 "--json-out", str(out)]) == 0
+    assert main(["train", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+                 "--n-kv-heads", "1", "--d-ff", "32", "--vocab-size", "300", "--seq-len", "16",
+                 "--batch-size", "4", "--steps", "3", "--warmup-steps", "1", "--no-progress",
+                 "--cache-dir", cache_dir, "--json-out", str(out)]) == 0
     assert len(json.loads(out.read_text())["history"]) == 3
 
 
@@ -85,7 +86,8 @@ def _subparser(name):
 
 
 def test_the_torchrun_commands_are_listed():
-    out = subprocess.run([sys.executable, "-m", "trainbook", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "trainbook", "--help"], capture_output=True,
+                         text=True, timeout=60)
     listed = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("    ")}
     assert set(TORCHRUN_COMMANDS) <= listed & set(COMMANDS)
 
@@ -122,8 +124,8 @@ def test_only_the_command_line_imports_argparse():
     ["cost", "--model", "llama-3-8b", "--tokens", "1T", "--gpus", "8"],
     ["flops", "--model", "tiny-llama", "--seq-len", "64"],
     ["memory", "--model", "tiny-llama", "--seq-len", "64"],
-    ["plan", "--model", "tiny-llama", "--gpus", "2", "--global-batch-tokens", "1024", "--seq-len", "64",
-     "--top", "2"],
+    ["plan", "--model", "tiny-llama", "--gpus", "2", "--global-batch-tokens", "1024",
+     "--seq-len", "64", "--top", "2"],
     ["mamf", "--m", "16", "--n", "16", "--k", "16", "--dtype", "fp32", "--device", "cpu", "--quick",
      "--flush-mib", "0"],
 ], ids=lambda a: a[0])
@@ -133,10 +135,10 @@ def test_cheap_commands_print_json(argv, capsys):
 
 
 def test_train_json_is_the_final_summary(cache_dir, capsys):
-    assert main(["train", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1",
-                 "--d-ff", "32", "--vocab-size", "300", "--seq-len", "16", "--batch-size", "4",
-                 "--steps", "2", "--warmup-steps", "1", "--no-progress", "--cache-dir", cache_dir,
-                 "--json"]) == 0
+    assert main(["train", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+                 "--n-kv-heads", "1", "--d-ff", "32", "--vocab-size", "300", "--seq-len", "16",
+                 "--batch-size", "4", "--steps", "2", "--warmup-steps", "1", "--no-progress",
+                 "--cache-dir", cache_dir, "--json"]) == 0
     out = capsys.readouterr()
     s = json.loads(out.out)  # the log went to stderr
     assert s["steps"] == 2 and s["tokens"] == 2 * 4 * 16
@@ -144,8 +146,10 @@ def test_train_json_is_the_final_summary(cache_dir, capsys):
 
 
 def test_torchrun_commands_print_json_on_rank_zero():
-    """zero, tp, cp, ep and collectives with tiny shapes, all in one 2-rank group of the launcher."""
+    """zero, tp, cp, ep and collectives with tiny shapes, all in one 2-rank group of the
+    launcher."""
     import dist_fns
+
     from trainbook import launch
 
     argvs = [["zero", "--kinds", "zero1,zero3", "--steps", "1", "--json"],
@@ -153,8 +157,8 @@ def test_torchrun_commands_print_json_on_rank_zero():
               "--seq-len", "16", "--batch", "2", "--steps", "1", "--json"],
              ["cp", "--kind", "ring_zigzag", "--seq-len", "16", "--steps", "1", "--json"],
              ["ep", "--experts", "4", "--steps", "1", "--global-batch", "4", "--json"],
-             ["collectives", "--ops", "all_reduce", "--payload-range", "1KiB", "4KiB", "--iters", "1",
-              "--json"]]
+             ["collectives", "--ops", "all_reduce", "--payload-range", "1KiB", "4KiB",
+              "--iters", "1", "--json"]]
     rank0, rank1 = (r.value for r in launch.run(dist_fns.cli_json, 2, args=(argvs,), timeout_s=150))
     assert [code for code, _ in rank0 + rank1] == [0] * 10
     assert all(doc is None for _, doc in rank1)  # only rank 0 prints
@@ -169,9 +173,11 @@ def test_torchrun_commands_print_json_on_rank_zero():
 
 
 def test_torchrun_json_stdout_is_only_json():
-    """Under real torchrun, `-m trainbook <command> --json` leaves nothing but rank 0's JSON on stdout."""
+    """Under real torchrun, `-m trainbook <command> --json` leaves nothing but rank 0's JSON on
+    stdout."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "trainbook", "cp", "--kind", "allgather_kv", "--seq-len", "16", "--steps", "1", "--json"]
+           "-m", "trainbook", "cp", "--kind", "allgather_kv", "--seq-len", "16", "--steps", "1",
+           "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["kind"] == "allgather_kv"
@@ -184,9 +190,11 @@ def test_torchrun_json_stdout_is_only_json():
     (["tp"], {"WORLD_SIZE": "3"}, "tp 3 does not divide the 8 attention heads"),
     (["cp", "--seq-len", "64"], {"WORLD_SIZE": "3"}, "not divisible by 6"),
     (["cp"], {}, "start it with torchrun"),
-    (["ep", "--experts", "2", "--top-k", "3"], {}, "top_k 3 is larger than the number of experts 2"),
+    (["ep", "--experts", "2", "--top-k", "3"], {},
+     "top_k 3 is larger than the number of experts 2"),
     (["ep", "--experts", "8"], {"WORLD_SIZE": "3"}, "8 experts do not split over 3"),
-    (["ep", "--experts", "4", "--global-batch", "6"], {"WORLD_SIZE": "4"}, "--global-batch 6 does not split"),
+    (["ep", "--experts", "4", "--global-batch", "6"], {"WORLD_SIZE": "4"},
+     "--global-batch 6 does not split"),
     (["collectives", "--payload-range", "64M", "1GiB"], {}, "a bare M is ambiguous"),
     (["collectives", "--ops", ","], {}, "names no collective"),
     (["collectives"], {}, "start it with torchrun"),

@@ -2,11 +2,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from trainbook.bench import collectives as bench
 from trainbook import launch
+from trainbook.bench import collectives as bench
 from trainbook.parallel import collectives
 
 
@@ -69,7 +69,8 @@ def test_alpha_beta_fit_recovers_a_noiseless_model(alpha, bw):
 def test_ring_beats_tree_on_bandwidth_and_loses_on_latency():
     big, small = 2**30, 8
     assert collectives.ring_time(64, big, 5e-6, 50e9) < collectives.tree_time(64, big, 5e-6, 50e9)
-    assert collectives.ring_time(64, small, 5e-6, 50e9) > collectives.tree_time(64, small, 5e-6, 50e9)
+    assert (collectives.ring_time(64, small, 5e-6, 50e9)
+            > collectives.tree_time(64, small, 5e-6, 50e9))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -88,15 +89,18 @@ def test_what_each_collective_does():
 
 
 def test_the_gloo_strided_view_pitfall():
-    wrong = [r.value for r in launch.run(collectives.strided_all_reduce, 2, args=(False,), timeout_s=90)]
-    right = [r.value for r in launch.run(collectives.strided_all_reduce, 2, args=(True,), timeout_s=90)]
+    wrong = [r.value for r in launch.run(collectives.strided_all_reduce, 2, args=(False,),
+                                         timeout_s=90)]
+    right = [r.value for r in launch.run(collectives.strided_all_reduce, 2, args=(True,),
+                                         timeout_s=90)]
     assert right == [0.0, 0.0]
     assert max(wrong) > 0  # silently wrong on gloo (torch 2.13): .contiguous() first
 
 
 def test_benchmark_rows_under_the_launcher():
     rows = launch.run(bench.benchmark, 2, kwargs=dict(ops=("all_reduce", "all_gather"),
-                                                     sizes=(1024, 65536), iters=2), timeout_s=90)[0].value
+                                                     sizes=(1024, 65536), iters=2),
+                      timeout_s=90)[0].value
     assert [(r["op"], r["bytes"]) for r in rows] == [("all_reduce", 1024), ("all_reduce", 65536),
                                                      ("all_gather", 1024), ("all_gather", 65536)]
     for r in rows:
@@ -141,7 +145,8 @@ def test_fit_ops_fits_each_op_with_two_payloads_or_more():
     fits = bench.fit_ops(rows)
     assert set(fits) == {"all_reduce"}
     assert fits["all_reduce"]["alpha_us"] == pytest.approx(10, rel=1e-6)
-    assert fits["all_reduce"]["bus_bandwidth_GBps"] == pytest.approx(1.0 * bench.bus_factor("all_reduce", 2))
+    assert fits["all_reduce"]["bus_bandwidth_GBps"] == pytest.approx(
+        1.0 * bench.bus_factor("all_reduce", 2))
 
 
 def test_collective_time_is_ring_steps_times_alpha_plus_bus_factor_bandwidth():
@@ -150,13 +155,15 @@ def test_collective_time_is_ring_steps_times_alpha_plus_bus_factor_bandwidth():
                       ("all_to_all", 7), ("broadcast", 7)):
         assert collectives.collective_time(op, 8, S, alpha, bw) == pytest.approx(
             steps * alpha + bench.bus_factor(op, 8) * S / bw)
-    assert collectives.ring_time(8, S, alpha, bw) == collectives.collective_time("all_reduce", 8, S, alpha, bw)
+    assert (collectives.ring_time(8, S, alpha, bw)
+            == collectives.collective_time("all_reduce", 8, S, alpha, bw))
     assert collectives.ring_time(8, S, alpha, bw) == pytest.approx(2 * 7 * (alpha + S / 8 / bw))
     assert collectives.collective_time("all_reduce", 1, S, alpha, bw) == 0.0
 
 
-@pytest.mark.parametrize("fn", [collectives.ring_time, collectives.tree_time,
-                                lambda n, s, a, b: collectives.collective_time("all_gather", n, s, a, b)])
+@pytest.mark.parametrize("fn", [
+    collectives.ring_time, collectives.tree_time,
+    lambda n, s, a, b: collectives.collective_time("all_gather", n, s, a, b)])
 def test_alpha_beta_models_validate_their_inputs(fn):
     with pytest.raises(ValueError, match="n must be a whole number >= 1"):
         fn(0, 1e6, 5e-6, 50e9)

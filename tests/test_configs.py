@@ -1,7 +1,8 @@
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainbook import configs
 
@@ -51,7 +52,8 @@ def test_hugging_face_configs(hf_dir, file, total):
 def test_hf_config_matches_preset(hf_dir):
     cfg = configs.from_hf_config(hf_dir / "llama-3-8b.json")
     preset = configs.get("llama-3-8b")
-    for f in ("vocab_size", "n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "rope_theta", "tied"):
+    for f in ("vocab_size", "n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "rope_theta",
+              "tied"):
         assert getattr(cfg, f) == getattr(preset, f), f
 
 

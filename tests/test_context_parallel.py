@@ -3,10 +3,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainbook.parallel import context_parallel as cp
 from trainbook import launch
+from trainbook.parallel import context_parallel as cp
 from trainbook.parallel import harness
-
 
 # ---- single process: the online softmax, sharding and the work count ----------------------------
 

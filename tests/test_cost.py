@@ -27,7 +27,8 @@ def test_parse_count(text, value):
     assert cost.parse_count(text) == pytest.approx(value)
 
 
-@pytest.mark.parametrize("text", ["", "T", "15X", "fifteen", "0", "-3", "-1T", "nan", float("inf"), 0])
+@pytest.mark.parametrize("text", ["", "T", "15X", "fifteen", "0", "-3", "-1T", "nan", float("inf"),
+                                  0])
 def test_parse_count_rejects(text):
     with pytest.raises(ValueError):
         cost.parse_count(text)
@@ -156,7 +157,8 @@ def test_young_minimises_first_order_waste_and_daly_the_exact_time(ckpt_s, mtbf_
                            bounds=(1, 20 * mtbf_s), method="bounded", options={"xatol": 1e-6}).x
     assert young == pytest.approx(best, rel=1e-4)
     work = 1000 * mtbf_s
-    exact = minimize_scalar(lambda t: cost.expected_wall_seconds(work, t, ckpt_s, mtbf_s, restart_s),
+    exact = minimize_scalar(lambda t: cost.expected_wall_seconds(work, t, ckpt_s, mtbf_s,
+                                                                 restart_s),
                             bounds=(1, 5 * mtbf_s), method="bounded", options={"xatol": 1e-3}).x
     daly = cost.daly_interval(ckpt_s, mtbf_s)
     assert daly == pytest.approx(exact, rel=0.01)
@@ -195,7 +197,8 @@ def test_simulation_is_seeded():
 def test_goodput_for_a_16k_cluster():
     mtbf = cost.mtbf_from_incidents(419, 54, 16384)
     g = cost.goodput(1000, 16384, mtbf, ckpt_minutes=1, restart_minutes=10)
-    assert g.interval_minutes == pytest.approx(cost.young_interval(60, g.cluster_mtbf_hours * 3600) / 60)
+    young = cost.young_interval(60, g.cluster_mtbf_hours * 3600)
+    assert g.interval_minutes == pytest.approx(young / 60)
     assert 0.8 < g.goodput < 0.9
     assert g.failures == pytest.approx(g.wall_hours / g.cluster_mtbf_hours)
     waste = g.ckpt_share + g.rework_share + g.restart_share
@@ -215,7 +218,8 @@ def test_goodput_properties(gpus, ckpt, restart):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(gpus=0), "GPUs"), (dict(mtbf_gpu_hours=0), "MTBF"), (dict(ckpt_minutes=-1), "checkpoint time"),
+    (dict(gpus=0), "GPUs"), (dict(mtbf_gpu_hours=0), "MTBF"),
+    (dict(ckpt_minutes=-1), "checkpoint time"),
     (dict(restart_minutes=-1), "restart"), (dict(interval_minutes=0), "interval"),
     (dict(ckpt_minutes=0), "free checkpoints"), (dict(ideal_hours=0), "ideal compute"),
     (dict(gpus=100_000, mtbf_gpu_hours=1000, interval_minutes=1e5), "never finish"),

@@ -1,7 +1,7 @@
 import pytest
 
-from trainbook.parallel import data_parallel as dp
 from trainbook import launch
+from trainbook.parallel import data_parallel as dp
 from trainbook.parallel import harness
 
 
@@ -13,7 +13,8 @@ def setup_and_ref():
 
 def test_two_ranks_match_single_process(setup_and_ref):
     s, ref = setup_and_ref
-    variants = [dict(kind=k, accumulation=a, bucket_mb=0.05) for k in ("scratch", "ddp") for a in (1, 2)]
+    variants = [dict(kind=k, accumulation=a, bucket_mb=0.05)
+                for k in ("scratch", "ddp") for a in (1, 2)]
     for r in launch.run(dp.sweep, 2, args=(s, variants), timeout_s=180):
         for v, out in zip(variants, r.value):
             d = harness.max_differences(out["trace"], ref)
@@ -49,17 +50,20 @@ def test_errors():
     with pytest.raises(ValueError, match="not divisible by 3 data-parallel ranks"):
         harness.shard(harness.global_batches(harness.Setup())[0], 0, 3)
     with pytest.raises(RuntimeError, match="kind must be 'scratch' or 'ddp'"):
-        launch.run(dp.run_data_parallel, 2, args=(harness.Setup(),), kwargs=dict(kind="zero"), timeout_s=60)
+        launch.run(dp.run_data_parallel, 2, args=(harness.Setup(),), kwargs=dict(kind="zero"),
+                   timeout_s=60)
 
 
 def test_per_rank_memory_matches_the_estimator():
     from trainbook.compute import memory
 
-    s = harness.Setup(optimizer="adamw", d_model=128, n_layers=4, d_ff=256, global_batch=8, seq_len=64)
+    s = harness.Setup(optimizer="adamw", d_model=128, n_layers=4, d_ff=256, global_batch=8,
+                      seq_len=64)
     per_rank = launch.run(dp.sweep, 2, args=(s, [dict(kind="scratch"), dict(kind="ddp")]),
                           kwargs=dict(fn=dp.measure_rank_memory), timeout_s=180)
-    predicted = memory.estimate(memory.MemoryInputs(model=s.model_config(), dtype="fp32", optimizer="adamw",
-                                                    dp=2, micro_batch=4, seq_len=64)).peak
+    predicted = memory.estimate(memory.MemoryInputs(model=s.model_config(), dtype="fp32",
+                                                    optimizer="adamw", dp=2, micro_batch=4,
+                                                    seq_len=64)).peak
     grads = 4 * sum(p.numel() for p in harness.build_model(s).parameters())
     for r in per_rank:
         scratch, ddp = r.value

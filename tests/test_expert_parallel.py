@@ -5,10 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainbook import configs
+from trainbook import configs, launch
 from trainbook.model import MoE
 from trainbook.parallel import expert_parallel as ep
-from trainbook import launch
 from trainbook.parallel import harness
 
 
@@ -34,7 +33,8 @@ def test_model_training_matches_single_process_and_memory_estimate():
     variants = [dict(measure_memory=True), dict(aux_weight=0.01, z_weight=0.001)]
     per_rank = launch.run(ep.sweep, 2, args=(spec, variants), timeout_s=240)
     for i, v in enumerate(variants):
-        ref, ref_stats = ep.reference(spec.with_(**{k: w for k, w in v.items() if k != "measure_memory"}))
+        ref, ref_stats = ep.reference(
+            spec.with_(**{k: w for k, w in v.items() if k != "measure_memory"}))
         outs = [r.value[i] for r in per_rank]
         d = harness.max_differences(ep.merge(outs), ref)
         assert d["loss"] < 1e-5 and d["grad"] < 1e-6 and d["param"] < 1e-6, (v, d)
@@ -53,7 +53,8 @@ def test_model_training_matches_single_process_and_memory_estimate():
         assert comm["forward_bytes"] == comm["backward_bytes"]
         assert comm["forward_bytes"] % (spec.d_model * 4) == 0
         tokens = spec.global_batch // 2 * spec.seq_len
-        assert comm["forward_bytes"] <= 2 * spec.n_layers * spec.steps * tokens * spec.top_k * spec.d_model * 4
+        assert comm["forward_bytes"] <= (2 * spec.n_layers * spec.steps * tokens * spec.top_k
+                                         * spec.d_model * 4)
     mem = per_rank[0].value[0]["memory"]
     assert mem["measured"]["weights"] == mem["estimate"]["weights"]  # experts divided by ep
     assert abs(mem["estimate"]["peak"] / mem["measured"]["peak"] - 1) < 0.3
@@ -105,18 +106,39 @@ def test_capacity_drops_counted_like_a_loop(tokens, n_experts, data):
 def test_load_balancing_loss_is_one_when_uniform_and_larger_when_skewed():
     E, T, k = 4, 64, 2
     uniform_probs = torch.full((T, E), 1 / E)
-    assert ep.load_balancing_loss(uniform_probs, torch.full((E,), T * k // E), k).item() == pytest.approx(1.0)
+    uniform = ep.load_balancing_loss(uniform_probs, torch.full((E,), T * k // E), k)
+    assert uniform.item() == pytest.approx(1.0)
     skewed_probs = torch.tensor([0.7, 0.1, 0.1, 0.1]).expand(T, E)
     skewed = ep.load_balancing_loss(skewed_probs, torch.tensor([T, T // 2, T // 4, T // 4]), k)
     assert skewed.item() > 1.0
-    collapsed = ep.load_balancing_loss(torch.eye(E)[[0] * T], torch.tensor([T * k, 0, 0, 0]), k)
-    assert collapsed.item() == pytest.approx(E)  # the maximum: everything on one expert
+    collapsed = ep.load_balancing_loss(torch.eye(E)[[0] * T], torch.tensor([T, 0, 0, 0]), 1)
+    assert collapsed.item() == pytest.approx(E)  # top-1: the maximum E, everything on one expert
     logits = torch.randn(T, E)
     weights, chosen, probs = ep.route(logits, k)
     assert torch.allclose(weights.sum(-1), torch.ones(T))
     assert ep.router_z_loss(logits).item() == pytest.approx(
         torch.logsumexp(logits, -1).pow(2).mean().item())
     assert math.isclose(probs.sum().item(), T, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("E,k", [(4, 1), (4, 2), (8, 2), (8, 3), (64, 8)])
+def test_load_balancing_loss_reaches_E_over_k_when_all_tokens_pick_the_same_k(E, k):
+    """Top-k routing sends each token to k distinct experts, so f_i <= 1/k and the loss is at
+    most E/k; it gets there when all tokens route to the same k experts with all the router's
+    probability on them. Random routings stay below."""
+    T = 32
+    logits = torch.full((T, E), -30.0)
+    logits[:, :k] = torch.randn(T, k)  # experts 0..k-1 win for every token
+    weights, chosen, probs = ep.route(logits, k)
+    counts = ep.expert_counts(chosen, E)
+    assert counts[:k].tolist() == [T] * k and counts[k:].sum() == 0
+    loss = ep.load_balancing_loss(probs, counts, k)
+    assert loss.item() == pytest.approx(E / k, rel=1e-6)
+    g = torch.Generator().manual_seed(E * 100 + k)
+    for _ in range(20):
+        logits = torch.randn(T, E, generator=g) * 5
+        _, chosen, probs = ep.route(logits, k)
+        assert ep.load_balancing_loss(probs, ep.expert_counts(chosen, E), k).item() <= E / k + 1e-6
 
 
 def test_bad_input():

@@ -303,7 +303,7 @@ def test_gpt3_total_compute():
 
 
 def test_llama3_405b_total_compute():
-    """Dubey et al. 2024, Section 3.3.1 / Table 4 context: 3.8e25 FLOPs on 15.6T tokens (6ND)."""
+    """Dubey et al. 2024, Sections 1 and 3.2.1: 3.8e25 FLOPs on 15.6T tokens (6ND)."""
     n = flops.matmul_params(configs.get("llama-3-405b"))
     assert f"{6 * n * 15.6e12:.1e}" == "3.8e+25"
 

@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from trainbook import hardware
 from trainbook.bench import peak
@@ -13,7 +12,8 @@ def test_every_row_has_every_dtype_and_a_source():
 
 
 def test_required_accelerators_present():
-    for name in ["v100-sxm2-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "mi300x"]:
+    for name in ["v100-sxm2-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200",
+                 "b200", "mi300x"]:
         assert name in hardware.SPECS
 
 

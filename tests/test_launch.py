@@ -1,8 +1,8 @@
 import time
 
+import dist_fns
 import pytest
 
-import dist_fns
 from trainbook import launch
 
 

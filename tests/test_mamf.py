@@ -1,5 +1,3 @@
-import json
-import math
 
 import pytest
 import torch
@@ -211,8 +209,9 @@ def test_executed_flops_match_6n_plus_attention():
 
 def test_counted_flops_reproduce_korthikanti_with_and_without_recompute():
     """GPT flavour (4h MLP, multi-head): the FLOP counter on the real model gives exactly
-    72 s L h^2 (1 + s/6h + V/12hL) per sequence, and 96 s L h^2 (1 + s/6h + V/16hL) with full
-    activation recomputation (Korthikanti et al. 2022)."""
+    72 B s l h^2 (1 + s/6h + V/12lh) for B sequences (Korthikanti et al. 2022, Appendix A), and
+    96 B s l h^2 (1 + s/6h + V/16lh) with full activation recomputation (Narayanan et al. 2021,
+    SC21, eq. 3)."""
     from trainbook import configs
     from trainbook.compute.flops import measure_flops, megatron_flops
     from trainbook.model import Transformer
@@ -227,7 +226,8 @@ def test_counted_flops_reproduce_korthikanti_with_and_without_recompute():
     assert plain == megatron_flops(2, s, L, h, V, recompute="none")
     assert full == megatron_flops(2, s, L, h, V, recompute="full")
     assert 1 < full / plain < 4 / 3  # 4/3 for the layers; the logits are not recomputed
-    assert isinstance(model.blocks[0], type(model.blocks[1])) and not hasattr(model.blocks[0], "block")
+    assert isinstance(model.blocks[0], type(model.blocks[1]))
+    assert not hasattr(model.blocks[0], "block")
 
 
 @settings(deadline=None, max_examples=50)

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from trainbook import configs
 from trainbook.__main__ import main
-from trainbook.compute import memory as M
 from trainbook.bench import memory_measure as mm
+from trainbook.compute import memory as M
 from trainbook.launch import run
 
 TINY = configs.get("tiny-llama").with_(vocab_size=1024)
@@ -18,11 +18,14 @@ B, S = 8, 64
 
 # --- ZeRO, Rajbhandari et al. 2020, Figure 1: Psi = 7.5B, Nd = 64, K = 12 (decimal GB) ---------
 
-@pytest.mark.parametrize("zero,paper", [(0, "120"), (1, "31.4"), (2, "16.6"), (3, "1.88")])
+@pytest.mark.parametrize("zero,paper", [(0, "120"), (1, "31.4"), (2, "16.6"), (3, "1.9")])
 def test_zero_paper_figure_1(zero, paper):
+    """As Figure 1 prints them; P_os+g+p is exactly 1.875 GB, printed 1.9."""
     got = M.zero_model_states(7.5e9, 64, zero) / 1e9 if zero else 16 * 7.5e9 / 1e9
     decimals = len(paper.split(".")[1]) if "." in paper else 0
     assert f"{got:.{decimals}f}" == paper
+    if zero == 3:
+        assert got == 1.875 and round(got, 1) == 1.9
 
 
 def test_zero_via_estimate_and_cli(capsys):
@@ -95,7 +98,8 @@ def test_bf16_activations_match_measurement():
 
 def test_estimate_matches_measurement_fsdp2_two_ranks():
     ranks = run(mm.measure_fsdp_rank, 2, args=(TINY, B, S), timeout_s=90)
-    est = M.estimate(M.MemoryInputs(model=TINY, dtype="fp32", micro_batch=B, seq_len=S, dp=2, zero=3))
+    est = M.estimate(M.MemoryInputs(model=TINY, dtype="fp32", micro_batch=B, seq_len=S, dp=2,
+                                    zero=3))
     for r in ranks:
         assert abs(est.peak / r.value["peak"] - 1) < 0.10
         assert r.value["optimizer"] == pytest.approx(est.optimizer, rel=0.01)  # sharded in half
@@ -191,8 +195,9 @@ def test_cli_help_lists_every_option(capsys):
         main(["memory", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for opt in ("--model", "--params", "--dp", "--zero", "--tp", "--pp", "--cp", "--ep", "--micro-batch",
-                "--seq-len", "--recompute", "--dtype", "--optimizer", "--gpu", "--json"):
+    for opt in ("--model", "--params", "--dp", "--zero", "--tp", "--pp", "--cp", "--ep",
+                "--micro-batch", "--seq-len", "--recompute", "--dtype", "--optimizer", "--gpu",
+                "--json"):
         assert opt in out
 
 

@@ -1,8 +1,7 @@
 import pytest
 
-from trainbook import configs
+from trainbook import configs, launch
 from trainbook.compute import memory
-from trainbook import launch
 from trainbook.parallel import harness, mesh
 
 

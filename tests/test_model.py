@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainbook import configs
 from trainbook.model import MoE, Transformer, apply_rope, count_parameters, rope_tables
@@ -14,8 +15,8 @@ def shrink(cfg: configs.ModelConfig) -> configs.ModelConfig:
     group = cfg.n_heads // cfg.kv_heads
     kv = min(cfg.kv_heads, 2)
     return cfg.with_(vocab_size=97, n_layers=2, d_model=16 * kv * group, n_heads=kv * group,
-                     n_kv_heads=None if cfg.n_kv_heads is None else kv, d_ff=None if cfg.d_ff is None else 40,
-                     head_dim=None, max_seq_len=32)
+                     n_kv_heads=None if cfg.n_kv_heads is None else kv,
+                     d_ff=None if cfg.d_ff is None else 40, head_dim=None, max_seq_len=32)
 
 
 @pytest.mark.parametrize("name", list(configs.PRESETS))
@@ -43,7 +44,8 @@ def test_qwen2_style_biases_counted(hf_dir):
 @given(flavour=st.sampled_from(["gpt2", "llama"]), heads=st.integers(1, 4), group=st.integers(1, 3),
        hd=st.sampled_from([2, 4, 8]), layers=st.integers(1, 3), ff=st.integers(1, 48),
        experts=st.integers(1, 4), tied=st.booleans(), qkv_bias=st.booleans())
-def test_any_valid_config_counts_exactly(flavour, heads, group, hd, layers, ff, experts, tied, qkv_bias):
+def test_any_valid_config_counts_exactly(flavour, heads, group, hd, layers, ff, experts, tied,
+                                         qkv_bias):
     if flavour == "gpt2":
         group, experts, qkv_bias = 1, 1, False
     n_heads = heads * group

@@ -1,8 +1,11 @@
-"""Every notebook starts with the standard first cell and is stored without outputs.
+"""Every notebook starts with the standard first cell, is stored without outputs, and runs.
 
-nbval executes the notebooks themselves (pytest collects book/**/*.ipynb with --nbval-lax).
+test_notebook_runs executes each notebook as the book build does and stores it in the build's
+jupyter-cache (tools/nbcache.py), so a build after the tests reuses the outputs instead of
+executing the notebook again.
 """
 
+import nbcache  # tools/nbcache.py
 import notebooks  # tools/notebooks.py
 import pytest
 
@@ -28,3 +31,41 @@ def test_every_notebook_is_in_the_toc():
     toc = (notebooks.ROOT / "_toc.yml").read_text()
     for p in PATHS:
         assert str(p.relative_to(notebooks.ROOT).with_suffix("")) in toc, p
+
+
+def test_cache_key_follows_what_the_notebooks_run(tmp_path, monkeypatch):
+    """The build reuses a notebook's outputs only under the same key: the package, the files beside
+    the notebooks and requirements.txt are in it; notebooks and pages are not (jupyter-cache
+    matches a notebook by its code cells), nor are the package's bytecode caches."""
+    files = {"code/trainbook/x.py": "a = 1\n", "book/ch.ipynb": "{}", "book/ch.md": "# ch",
+             "book/data/d.jsonl": "{}", "requirements.txt": "torch==2.13.0\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    before = nbcache.fingerprint(tmp_path)
+    for rel in ("book/ch.ipynb", "book/ch.md", "code/trainbook/__pycache__/x.cpython-311.pyc"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("changed")
+    assert nbcache.fingerprint(tmp_path) == before
+    for rel in ("code/trainbook/x.py", "book/data/d.jsonl", "requirements.txt"):
+        (tmp_path / rel).write_text("changed")
+        assert nbcache.fingerprint(tmp_path) != before, rel
+        before = nbcache.fingerprint(tmp_path)
+    monkeypatch.setenv("TRAINBOOK_SLOW_LOWP", "1")
+    slow = nbcache.key()
+    monkeypatch.setenv("TRAINBOOK_SLOW_LOWP", "0")
+    assert "-slowlowp-" in slow and "-native-" in nbcache.key()
+
+
+# No pytest timeout: as in the build, nbclient stops any cell that runs past _config.yml's timeout.
+@pytest.mark.timeout(0)
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.name)
+def test_notebook_runs(path):
+    """Every cell runs without an error and writes nothing to stderr (the build fails on both)."""
+    run = nbcache.execute(path)
+    name = path.relative_to(notebooks.ROOT)
+    print(f"{name}: executed in {run.seconds:.1f} s")
+    if run.error is not None:
+        pytest.fail(f"{name}: a cell failed\n{run.error}", pytrace=False)
+    cells = nbcache.stderr_cells(run.notebook)
+    assert not cells, f"{name}: cells {cells} wrote to stderr (the build turns that into an error)"

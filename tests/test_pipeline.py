@@ -39,13 +39,13 @@ def test_timestamps_are_well_formed(runs, kind):
     events = runs[kind][0]["events"]
     m, stages = 4, {e["stage"] for rank in events for e in rank}
     at = {(e["stage"], e["op"], e["mb"]): e for rank in events for e in rank}
-    for st in stages:
+    for s in stages:
         for i in range(m):
-            f, b = at[(st, "F", i)], at[(st, "B", i)]
+            f, b = at[(s, "F", i)], at[(s, "B", i)]
             assert f["start"] <= f["end"] <= b["start"] <= b["end"]
-            if st + 1 in stages:  # the next stage's forward needs this stage's output
-                assert at[(st + 1, "F", i)]["start"] >= f["end"]  # one clock on one host
-                assert b["start"] >= at[(st + 1, "B", i)]["end"]
+            if s + 1 in stages:  # the next stage's forward needs this stage's output
+                assert at[(s + 1, "F", i)]["start"] >= f["end"]  # one clock on one host
+                assert b["start"] >= at[(s + 1, "B", i)]["end"]
     for rank in events:  # one rank computes one thing at a time
         spans = sorted((e["start"], e["end"]) for e in rank)
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
@@ -60,10 +60,10 @@ def test_zero_bubble_splits_backward_and_plans(runs):
     # V shape: rank 0 holds stages 0 and 3; each runs every micro-batch's F, I and W once
     for rank, stages in ((0, (0, 3)), (1, (1, 2))):
         acts = [a for a in plan[rank] if a]
-        for st in stages:
+        for s in stages:
             for op in "FIW":
-                assert sorted(a for a in acts if a.startswith(f"{st}{op}")) == \
-                    [f"{st}{op}{i}" for i in range(4)]
+                assert sorted(a for a in acts if a.startswith(f"{s}{op}")) == \
+                    [f"{s}{op}{i}" for i in range(4)]
 
 
 def test_schedule_order_and_bubble():
@@ -71,8 +71,8 @@ def test_schedule_order_and_bubble():
     order = pp.schedule_order("1f1b", 4, 8, 0)
     assert order[:4] == [("F", 0), ("F", 1), ("F", 2), ("F", 3)]  # p - 1 warm-up, then 1F1B
     for kind in pp.SCRATCH:
-        for st in range(4):
-            o = pp.schedule_order(kind, 4, 8, st)
+        for s in range(4):
+            o = pp.schedule_order(kind, 4, 8, s)
             assert sorted(o) == sorted([("F", i) for i in range(8)] + [("B", i) for i in range(8)])
             assert all(o.index(("F", i)) < o.index(("B", i)) for i in range(8))
     assert pp.bubble_fraction(2, 4) == pytest.approx(1 / 5)

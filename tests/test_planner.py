@@ -156,9 +156,11 @@ def test_dtypes_map_to_honest_peaks():
     lay = P.Layout(dp=8, tp=8, zero=1, recompute="full")
     plan = P.evaluate(lay, fp32, h100)
     model_flops = flops.training_flops(cfg, 4096)["total"] * fp32.sequences
-    assert plan.mfu == pytest.approx(flops.utilization(model_flops, plan.step_s, P.peak_flops(fp32, h100), 64))
+    assert plan.mfu == pytest.approx(
+        flops.utilization(model_flops, plan.step_s, P.peak_flops(fp32, h100), 64))
     # fp32 moves twice the bytes of bf16 on the wire (the latency term stays), and computes at
     # the TF32 peak, half the bf16 one
     assert P.step_time(lay, bf16, h100)["tp"] < P.step_time(lay, fp32, h100)["tp"] < \
         2 * P.step_time(lay, bf16, h100)["tp"]
-    assert P.step_time(lay, fp32, h100)["compute"] == pytest.approx(2 * P.step_time(lay, bf16, h100)["compute"])
+    assert P.step_time(lay, fp32, h100)["compute"] == pytest.approx(
+        2 * P.step_time(lay, bf16, h100)["compute"])

@@ -121,7 +121,7 @@ def test_closed_form_matches_numeric_minimum_along_the_isoflop():
     from scipy.optimize import minimize_scalar
     for fit in scaling.FITS.values():
         for C in (1e19, 5.76e23, 1e26):
-            res = minimize_scalar(lambda x: scaling.isoflop(C, math.exp(x), fit),
+            res = minimize_scalar(lambda x, C=C, fit=fit: scaling.isoflop(C, math.exp(x), fit),
                                   bounds=(math.log(1e3), math.log(C / 6 / 1e3)), method="bounded",
                                   options={"xatol": 1e-10})
             n, _ = fit.optimal(C)
@@ -241,7 +241,8 @@ def test_table(capsys):
 @pytest.mark.parametrize("flops,message", [("0", "positive"), ("=-1e24", "positive"),
                                            ("inf", "finite"), ("10", "too small")])
 def test_bad_budget(flops, message, capsys):
-    argv = ["chinchilla", "--flops" + flops] if flops.startswith("=") else ["chinchilla", "--flops", flops]
+    argv = (["chinchilla", "--flops" + flops] if flops.startswith("=")
+            else ["chinchilla", "--flops", flops])
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err

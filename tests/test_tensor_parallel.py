@@ -29,7 +29,8 @@ def test_llama_every_kind_matches_reference_and_theory():
     for out in outs[:2]:  # scratch: every collective counted, calls and bytes, as theory says
         sp = out["kind"].endswith("_sp")
         measured = {_key(r): (r["calls"], r["bytes"]) for r in out["counts"]}
-        theory = {_key(r): (r["calls"], r["bytes"]) for r in tp.theory_counts(cfg, sp, s.global_batch, s.seq_len)}
+        theory = {_key(r): (r["calls"], r["bytes"])
+                  for r in tp.theory_counts(cfg, sp, s.global_batch, s.seq_len)}
         extra = measured.keys() - theory.keys()
         assert extra == ({("all_reduce", "backward", "grads")} if sp else set())
         assert {k: measured[k] for k in theory} == theory
@@ -40,16 +41,21 @@ def test_llama_every_kind_matches_reference_and_theory():
     by = lambda out, ops: sum(r["bytes"] for r in out["counts"] if r["where"] == "block" and r["op"] in ops)  # noqa
     ar, pairs = by(outs[0], {"all_reduce"}), by(outs[1], {"all_gather", "reduce_scatter"})
     assert pairs == 2 * ar
-    assert sum(tp.wire_bytes(r["op"], r["bytes"], 2) for r in outs[0]["counts"] if r["where"] == "block") == \
-        sum(tp.wire_bytes(r["op"], r["bytes"], 2) for r in outs[1]["counts"] if r["where"] == "block")
+    assert sum(tp.wire_bytes(r["op"], r["bytes"], 2)
+               for r in outs[0]["counts"] if r["where"] == "block") == \
+        sum(tp.wire_bytes(r["op"], r["bytes"], 2)
+            for r in outs[1]["counts"] if r["where"] == "block")
     # DTensor issues the same collectives (shared q/k/v input); unshared pays one per Colwise layer
     assert outs[2]["observed"] == outs[0]["observed"] == {"all_reduce": 13}
-    assert sum(r["calls"] for r in outs[0]["counts"]) == 13  # Comm misses nothing CommDebugMode sees
+    # Comm misses nothing CommDebugMode sees
+    assert sum(r["calls"] for r in outs[0]["counts"]) == 13
     assert outs[3]["observed"]["all_gather"] == outs[1]["observed"]["all_gather"] == 10
-    assert outs[4]["observed"]["all_reduce"] == 13 + 3 * cfg.n_layers  # (q, k, v) 3 + (gate, up) 2 vs 2
+    # (q, k, v) 3 + (gate, up) 2 vs 2
+    assert outs[4]["observed"]["all_reduce"] == 13 + 3 * cfg.n_layers
     # SP norm weights: scratch sums their gradients in backward; DTensor leaves them Partial and
     # reduces each one in the optimizer step
-    assert not outs[1]["in_optimizer"] and outs[3]["in_optimizer"] == {"all_reduce": 2 * cfg.n_layers + 1}
+    assert not outs[1]["in_optimizer"]
+    assert outs[3]["in_optimizer"] == {"all_reduce": 2 * cfg.n_layers + 1}
 
 
 def test_gpt2_tied_sequence_parallel_adamw_and_memory():
@@ -62,7 +68,8 @@ def test_gpt2_tied_sequence_parallel_adamw_and_memory():
         assert d["loss"] < 1e-5 and d["grad"] < 1e-6 and d["param"] < 1e-4, (out["kind"], d)
     est = tp.estimate_memory(s, 2, True)
     mem = outs[0]["memory"]
-    assert mem["weights"] == pytest.approx(est.weights, rel=0.02)  # V/tp embedding rows, replicated norms
+    # V/tp embedding rows, replicated norms
+    assert mem["weights"] == pytest.approx(est.weights, rel=0.02)
     assert mem["optimizer"] == pytest.approx(est.optimizer, rel=0.02)
     assert 0.7 < mem["peak"] / est.peak < 1.5
 
@@ -106,7 +113,8 @@ def test_bad_input():
         tp.check_divisible(cfg, 2, seq_len=31, sp=True)
     tp.check_divisible(cfg, 2, seq_len=31, sp=False)  # plain TP does not split the sequence
     with pytest.raises(ValueError, match="V divisible by tp 3"):
-        tp.emulate_vocab_parallel_cross_entropy(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), 3)
+        tp.emulate_vocab_parallel_cross_entropy(torch.zeros(2, 8),
+                                                torch.zeros(2, dtype=torch.long), 3)
     with pytest.raises(ValueError, match="needs a process group"):
         tp.run_tp(harness.Setup())
     with pytest.raises(RuntimeError, match="kind must be one of"):

@@ -4,8 +4,14 @@ import math
 import pytest
 import torch
 
-from trainbook.train import (TrainConfig, latest_checkpoint, load_checkpoint, lr_at, model_config,
-                             train)
+from trainbook.train import (
+    TrainConfig,
+    latest_checkpoint,
+    load_checkpoint,
+    lr_at,
+    model_config,
+    train,
+)
 
 
 def tiny(cache_dir, **kw):
@@ -62,7 +68,8 @@ def test_checkpoint_loads_with_weights_only(cache_dir, tmp_path):
 def test_resume_refuses_a_different_model(cache_dir, tmp_path):
     train(tiny(cache_dir, steps=2, warmup_steps=1, ckpt_dir=str(tmp_path)))
     with pytest.raises(ValueError, match="holds a different model"):
-        train(tiny(cache_dir, steps=4, warmup_steps=1, d_model=64, ckpt_dir=str(tmp_path), resume=True))
+        train(tiny(cache_dir, steps=4, warmup_steps=1, d_model=64, ckpt_dir=str(tmp_path),
+                   resume=True))
     with pytest.raises(ValueError, match="no checkpoint at"):
         train(tiny(cache_dir, resume_from=str(tmp_path / "nope.pt")))
 
@@ -71,7 +78,8 @@ def test_gradient_accumulation_equals_a_bigger_batch(cache_dir):
     big = train(tiny(cache_dir, steps=6, batch_size=8))
     acc = train(tiny(cache_dir, steps=6, batch_size=4, grad_accum=2))
     # Same 8 sequences per step (the loader hands them out in order); only summation order differs.
-    torch.testing.assert_close(torch.tensor(acc.losses()), torch.tensor(big.losses()), rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(acc.losses()), torch.tensor(big.losses()), rtol=0,
+                               atol=1e-4)
 
 
 def test_bf16_autocast_trains(cache_dir):

@@ -56,7 +56,8 @@ def test_adamw_and_tied_gpt2_match_within_fp32_tolerance(memory):
 def test_communication_volume_2psi_vs_3psi(trained):
     s, _, ranks = trained
     psi = 4 * sum(p.numel() for p in harness.build_model(s).parameters())  # fp32 bytes, even units
-    out = {v["kind"] + str(v.get("reshard_after_forward", "")) + str(v.get("mixed_precision", "")): o
+    out = {v["kind"] + str(v.get("reshard_after_forward", ""))
+           + str(v.get("mixed_precision", "")): o
            for v, o in zip(VARIANTS, ranks[0].value)}
     for kind in ("zero1", "zero2", "zero3"):
         c, seen = out[kind]["counters"], out[kind]["bytes_per_step"]
@@ -78,7 +79,8 @@ def test_communication_volume_2psi_vs_3psi(trained):
     assert keep["bytes_per_step"]["all_gather"] == psi
     assert fsdp["bytes_per_step"]["all_gather"] == 2 * psi - root
     assert mp["bytes_per_step"]["all_gather"] == (2 * psi - root) / 2
-    assert fsdp["bytes_per_step"]["reduce_scatter"] == keep["bytes_per_step"]["reduce_scatter"] == psi
+    assert (fsdp["bytes_per_step"]["reduce_scatter"]
+            == keep["bytes_per_step"]["reduce_scatter"] == psi)
     assert fsdp["calls_per_step"]["all_gather"] == 1 + 2 * s.n_layers
     assert zero.wire_bytes(psi, 2) == psi / 2
 

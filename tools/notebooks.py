@@ -28,7 +28,8 @@ def first_cell_source() -> str:
     url, branch = repository()
     return (
         f"{MARKER}: in Colab, install trainbook from the repository and branch the book was\n"
-        "# built from (_config.yml); elsewhere use the installed package. Then seed, pick the size.\n"
+        "# built from (_config.yml); elsewhere use the installed package. "
+        "Then seed, pick the size.\n"
         "import sys\n"
         "if \"google.colab\" in sys.modules:\n"
         f"    %pip install -q \"trainbook[notebook] @ git+{url}@{branch}#subdirectory=code\"\n"
@@ -47,7 +48,8 @@ def problems(path: Path) -> list[str]:
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     found = []
     if not code or "".join(code[0]["source"]) != first_cell_source():
-        found.append("the first code cell is not the standard first cell (run: python tools/notebooks.py stamp)")
+        found.append("the first code cell is not the standard first cell "
+                     "(run: python tools/notebooks.py stamp)")
     if any(c.get("outputs") or c.get("execution_count") for c in code):
         found.append("cells carry outputs or execution counts (clear them before committing)")
     return found
@@ -60,7 +62,8 @@ def stamp(path: Path) -> None:
     if code and "".join(code[0]["source"]).startswith(MARKER):
         code[0]["source"] = src
     else:  # insert it before the first code cell (a title cell may stay above it)
-        cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": src}
+        cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+                "source": src}
         at = nb["cells"].index(code[0]) if code else len(nb["cells"])
         nb["cells"].insert(at, cell)
     for c in code:

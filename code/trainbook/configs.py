@@ -39,8 +39,10 @@ class ModelConfig:
             if not ok:
                 raise ValueError(f"config {self.name!r}: {msg}")
 
-        need(self.flavour in FLAVOURS, f"flavour {self.flavour!r} is unknown; use one of {FLAVOURS}")
-        for f in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len", "n_experts", "top_k"):
+        need(self.flavour in FLAVOURS,
+             f"flavour {self.flavour!r} is unknown; use one of {FLAVOURS}")
+        for f in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len", "n_experts",
+                  "top_k"):
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0,
                  f"{f} must be a positive integer, got {v!r}")
@@ -89,7 +91,7 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.n_experts > 1
 
-    def with_(self, **changes) -> "ModelConfig":
+    def with_(self, **changes) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 
@@ -104,7 +106,8 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     learned positions, an untied output head), as Kaplan et al. 2020 do. active counts the
     parameters one token touches: for a mixture of experts, top_k of the n_experts MLPs.
     """
-    d, h, kv, hd, ff, L = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head, cfg.ffn_dim, cfg.n_layers
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
+    ff, L = cfg.ffn_dim, cfg.n_layers
     gpt2 = cfg.flavour == "gpt2"
     norm = 2 * d if gpt2 else d  # LayerNorm has weight and bias; RMSNorm a weight only
 
@@ -131,7 +134,8 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         "head": 0 if cfg.tied else cfg.vocab_size * d,
     }
     counts["total"] = sum(counts.values())
-    counts["non_embedding"] = counts["total"] - counts["embedding"] - counts["position"] - counts["head"]
+    counts["non_embedding"] = (counts["total"] - counts["embedding"] - counts["position"]
+                               - counts["head"])
     counts["active"] = counts["total"] - L * (cfg.n_experts - cfg.top_k) * expert
     return counts
 
@@ -141,8 +145,8 @@ def check_seq_len(cfg: ModelConfig, seq_len: int) -> int:
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be >= 1 and a whole number (--seq-len), got {seq_len!r}")
     if cfg.flavour == "gpt2" and seq_len > cfg.max_seq_len:
-        raise ValueError(f"sequence length {seq_len} exceeds {cfg.name}'s {cfg.max_seq_len} learned "
-                         "positions; use a shorter sequence")
+        raise ValueError(f"sequence length {seq_len} exceeds {cfg.name}'s {cfg.max_seq_len} "
+                         "learned positions; use a shorter sequence")
     return seq_len
 
 
@@ -196,7 +200,8 @@ _HF_TYPES = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
 
 
 def from_hf_config(source: str | Path | dict, name: str | None = None) -> ModelConfig:
-    """Build a ModelConfig from a Hugging Face config.json (path or dict); no transformers needed."""
+    """Build a ModelConfig from a Hugging Face config.json (path or dict); no transformers
+    needed."""
     if isinstance(source, dict):
         hf, name = source, name or source.get("_name_or_path") or "hf-config"
     else:
@@ -237,7 +242,8 @@ def from_hf_config(source: str | Path | dict, name: str | None = None) -> ModelC
         d_ff=field("intermediate_size"), head_dim=hf.get("head_dim"),
         max_seq_len=field("max_position_embeddings"),
         tie_embeddings=hf.get("tie_word_embeddings", False), qkv_bias=kind == "qwen2",
-        norm_eps=field("rms_norm_eps", default=1e-5), rope_theta=float(field("rope_theta", default=1e4)),
+        norm_eps=field("rms_norm_eps", default=1e-5),
+        rope_theta=float(field("rope_theta", default=1e4)),
         n_experts=hf.get("num_local_experts") or 1, top_k=hf.get("num_experts_per_tok") or 1,
     )
 

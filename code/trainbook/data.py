@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 
 CORPORA = {"tinyshakespeare": "tinyshakespeare.txt"}
-CORPUS_SHA256 = {"tinyshakespeare": "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"}
+CORPUS_SHA256 = {
+    "tinyshakespeare": "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
+}
 
 
 def load_corpus(name: str = "tinyshakespeare") -> str:
@@ -52,7 +54,7 @@ class BPETokenizer:
         self._tok = tokenizer
 
     @classmethod
-    def train(cls, text: str, vocab_size: int) -> "BPETokenizer":
+    def train(cls, text: str, vocab_size: int) -> BPETokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         if not 256 < vocab_size <= 65536:
@@ -67,7 +69,7 @@ class BPETokenizer:
         return cls(tok)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "BPETokenizer":
+    def from_file(cls, path: str | Path) -> BPETokenizer:
         from tokenizers import Tokenizer
         return cls(Tokenizer.from_file(str(path)))
 
@@ -87,7 +89,8 @@ class BPETokenizer:
 
 def make_tokenizer(kind: str = "bpe", vocab_size: int = 1024, corpus: str = "tinyshakespeare",
                    cache_dir: str | Path | None = None):
-    """'bytes' or a BPE of `vocab_size` trained on `corpus` (cached as JSON in cache_dir if given)."""
+    """'bytes' or a BPE of `vocab_size` trained on `corpus` (cached as JSON in cache_dir if
+    given)."""
     if kind == "bytes":
         return ByteTokenizer()
     if kind != "bpe":
@@ -138,7 +141,8 @@ def build_dataset(tokenizer, seq_len: int, corpus: str = "tinyshakespeare",
     text = load_corpus(corpus)
     cut = int(len(text) * (1 - val_fraction))
     enc = lambda t: torch.tensor(tokenizer.encode(t), dtype=torch.long)  # noqa: E731
-    return Dataset(pack(enc(text[:cut]), seq_len), pack(enc(text[cut:]), seq_len), tokenizer, seq_len)
+    return Dataset(pack(enc(text[:cut]), seq_len), pack(enc(text[cut:]), seq_len), tokenizer,
+                   seq_len)
 
 
 class ShardedLoader:

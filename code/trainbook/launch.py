@@ -2,10 +2,10 @@
 
 `run(fn, nprocs)` spawns N processes, joins them into one torch.distributed group (gloo by
 default, since the book's demos keep their tensors on the CPU; backend="nccl" for a function
-that puts its tensors on cuda:LOCAL_RANK), calls fn(*args) on every rank and returns each rank's return value and printed
-output in rank order. If a rank raises, the error names the rank and carries its traceback; if
-the job runs past `timeout_s` (a mismatched collective, a deadlock), every process is killed and
-a TimeoutError says so. No chapter or test can hang.
+that puts its tensors on cuda:LOCAL_RANK), calls fn(*args) on every rank and returns each
+rank's return value and printed output in rank order. If a rank raises, the error names the
+rank and carries its traceback; if the job runs past `timeout_s` (a mismatched collective, a
+deadlock), every process is killed and a TimeoutError says so. No chapter or test can hang.
 
 `rank_device()` is the one answer to "where do this rank's tensors live": cuda:LOCAL_RANK
 under NCCL, the CPU under gloo. Every parallel module asks it.
@@ -22,8 +22,9 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -59,7 +60,8 @@ def _worker(rank, world_size, port, backend, timeout_s, fn, args, kwargs, result
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     out = io.StringIO()
     try:
@@ -85,16 +87,19 @@ def run(fn: Callable, nprocs: int = 2, args: tuple = (), kwargs: dict | None = N
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    if getattr(fn, "__module__", "__main__") == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
-        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} is defined in a notebook or a function; "
-                         "spawned ranks can only import module-level functions from a package")
+    if (getattr(fn, "__module__", "__main__") == "__main__"
+            or "<locals>" in getattr(fn, "__qualname__", "")):
+        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} is defined in a notebook or a "
+                         "function; spawned ranks can only import module-level functions "
+                         "from a package")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, nprocs, port, backend, timeout_s, fn, args, kwargs or {}, results))
+                         args=(r, nprocs, port, backend, timeout_s, fn, args, kwargs or {},
+                               results))
              for r in range(nprocs)]
     for p in procs:
         p.start()
@@ -104,19 +109,24 @@ def run(fn: Callable, nprocs: int = 2, args: tuple = (), kwargs: dict | None = N
     try:
         while len(collected) < nprocs:
             try:
-                rank, status, value, stdout = results.get(timeout=max(0.1, min(1.0, end - time.monotonic())))
+                wait = max(0.1, min(1.0, end - time.monotonic()))
+                rank, status, value, stdout = results.get(timeout=wait)
             except queue.Empty:
                 if time.monotonic() > end:
+                    missing = sorted(set(range(nprocs)) - set(collected))
                     raise TimeoutError(f"{fn.__qualname__} on {nprocs} ranks did not finish in "
-                                       f"{deadline:.0f} s; ranks {sorted(set(range(nprocs)) - set(collected))} "
-                                       "never reported (a hang or a mismatched collective?)") from None
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in collected]
+                                       f"{deadline:.0f} s; ranks {missing} never reported "
+                                       "(a hang or a mismatched collective?)") from None
+                dead = [i for i, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and i not in collected]
                 if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
-                                       "before reporting (out of memory? killed?)")
+                    raise RuntimeError(f"rank {dead[0]} died with exit code "
+                                       f"{procs[dead[0]].exitcode} before reporting "
+                                       "(out of memory? killed?)") from None
                 continue
             if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}\n--- rank {rank} output ---\n{stdout}")
+                raise RuntimeError(f"rank {rank} failed:\n{value}\n"
+                                   f"--- rank {rank} output ---\n{stdout}")
             collected[rank] = (pickle.loads(value), stdout)
     finally:
         for p in procs:

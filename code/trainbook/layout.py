@@ -67,7 +67,7 @@ class Layout:
         return asdict(self)
 
     @classmethod
-    def parse(cls, text: str, **defaults) -> "Layout":
+    def parse(cls, text: str, **defaults) -> Layout:
         """'tp=8,pp=16,dp=128' (any of the fields, comma-separated) -> Layout."""
         values = dict(defaults)
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -88,7 +88,7 @@ class Layout:
         return cls(**values)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Layout":
+    def from_dict(cls, d: dict) -> Layout:
         """A layout from a dict with (a subset of) its fields; other keys are ignored, so a row
         of `plan --json` reads as it is."""
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})

@@ -36,7 +36,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device=None):
@@ -80,7 +81,8 @@ class Attention(nn.Module):
         """Causal attention on (batch, heads, time, head_dim); context parallelism replaces it."""
         if k.shape[1] != q.shape[1]:  # grouped-query attention: a kv head serves a group of q heads
             group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, T, hd)
+            # (B, H, T, hd) each: full-size copies
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -150,7 +152,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model. forward(idx, targets) -> (logits, mean cross-entropy or None)."""
+    """Decoder-only language model: forward(idx, targets) -> (logits, mean loss or None)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -173,12 +175,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        """GPT-2 init: N(0, 0.02), output projections scaled by 1/sqrt(2 * n_layers), zero biases."""
+        """GPT-2 init: N(0, 0.02), output projections scaled by 1/sqrt(2 n_layers), zero biases."""
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 p.fill_(1.0 if name.endswith("weight") else 0.0)  # norm weights / biases
             else:
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o.weight", "down.weight")) else 0.02
+                out_proj = name.endswith(("o.weight", "down.weight"))
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if out_proj else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def embed_inputs(self, idx: torch.Tensor, positions: torch.Tensor | None = None):

@@ -23,9 +23,11 @@ def table(rows: list[dict], columns: list[str] | None = None) -> str:
     columns = columns or list(rows[0])
     cells = [[fmt(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in columns]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows)
+               for c in columns]
 
     def line(values):
-        return "  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(values, widths, numeric)).rstrip()
+        return "  ".join(v.rjust(w) if n else v.ljust(w)
+                         for v, w, n in zip(values, widths, numeric)).rstrip()
 
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])

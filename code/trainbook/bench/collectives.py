@@ -82,7 +82,8 @@ def bus_factor(op: str, n: int) -> float:
 
 
 def _buffers(op: str, nbytes: int, n: int, dtype: torch.dtype, device) -> tuple:
-    """Input and output tensors of `op` for a payload of nbytes (rounded to a multiple of n elements)."""
+    """Input and output tensors of `op` for a payload of nbytes (rounded to a multiple of n
+    elements)."""
     elem = torch.tensor([], dtype=dtype).element_size()
     numel = max(n, nbytes // elem // n * n)
     full = torch.ones(numel, dtype=dtype, device=device)
@@ -156,7 +157,8 @@ def benchmark(ops=OPS, sizes=(2**10, 2**16, 2**20), iters: int = 10, warmup: int
             t = time_op(op, size, iters, warmup, dtype)
             nbytes = numel * elem
             rows.append({"op": op, "bytes": nbytes, "ranks": n, "time_s": t,
-                         "algbw_GBps": nbytes / t / 1e9, "busbw_GBps": nbytes / t / 1e9 * bus_factor(op, n)})
+                         "algbw_GBps": nbytes / t / 1e9,
+                         "busbw_GBps": nbytes / t / 1e9 * bus_factor(op, n)})
     return rows
 
 

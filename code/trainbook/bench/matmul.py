@@ -214,7 +214,7 @@ class ShapeResult:
 def _operands(m, n, k, dtype: str, device):
     """a, b, out and the matmul to time; fp8 goes through torch._scaled_mm (b column-major)."""
     if dtype == "fp8":  # MI300 (ROCm) uses the "fnuz" variant of e4m3
-        f8 = getattr(torch, "float8_e4m3fnuz") if torch.version.hip else TORCH_DTYPES["fp8"]
+        f8 = torch.float8_e4m3fnuz if torch.version.hip else TORCH_DTYPES["fp8"]
         a = torch.randn(m, k, device=device).to(f8)
         b = torch.randn(n, k, device=device).to(f8).t()  # column-major, as _scaled_mm wants
         one = torch.ones((), device=device)

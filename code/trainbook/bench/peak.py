@@ -71,9 +71,10 @@ def detect(device: str | torch.device | None = None, dtype: str = "fp32") -> Acc
             tflops = {d: None for d in DTYPES}
             tflops[dtype] = measure_matmul_tflops(dtype, device, budget_s=2.0)
             props = torch.cuda.get_device_properties(device)
-            return Accelerator(name, "measured", tflops, props.total_memory / 2**30, 0.0, "unknown", 0.0,
-                               source=f"measured here: best square {dtype} matmul in 2 s ({name} is not "
-                                      "in the spec table)", measured=True)
+            return Accelerator(name, "measured", tflops, props.total_memory / 2**30, 0.0,
+                               "unknown", 0.0,
+                               source=f"measured here: best square {dtype} matmul in 2 s "
+                                      f"({name} is not in the spec table)", measured=True)
         return spec
     if device.type != "cpu":
         raise ValueError(f"device type {device.type!r} is not supported; use 'cpu' or 'cuda'")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

@@ -19,12 +19,14 @@ def _flops(text: str) -> float:
         return float(text)
     except ValueError:
         import argparse
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; write FLOPs like 5.76e23") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number; write FLOPs like 5.76e23") from None
 
 
 def add_arguments(p):
     p.add_argument("--flops", type=_flops, required=True, nargs="+", metavar="C",
-                   help="training budget(s) in FLOPs, e.g. 5.76e23 (Chinchilla/Gopher) or 1e24 2e25")
+                   help="training budget(s) in FLOPs, e.g. 5.76e23 (Chinchilla/Gopher) "
+                        "or 1e24 2e25")
     p.add_argument("--fit", default="epoch", choices=list(scaling.FITS),
                    help="constants of the law: epoch (Besiroglu et al. 2024 refit, default), "
                         "hoffmann (Hoffmann et al. 2022 Approach 3 as printed) or hoffmann-tex "
@@ -41,6 +43,7 @@ def run(args) -> int:
     print(f"fit {fit.name}: E={fit.E:g}, A={fit.A:g}, B={fit.B:g}, alpha={fit.alpha:g}, "
           f"beta={fit.beta:g} ({fit.source})")
     print(table([{"FLOPs": f"{r['flops']:.3g}", "params (N_opt)": f"{r['params']:.3g}",
-                  "tokens (D_opt)": f"{r['tokens']:.3g}", "tokens/param": round(r["tokens_per_param"], 1),
+                  "tokens (D_opt)": f"{r['tokens']:.3g}",
+                  "tokens/param": round(r["tokens_per_param"], 1),
                   "predicted loss": round(r["loss"], 3)} for r in rows]))
     return 0

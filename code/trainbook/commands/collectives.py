@@ -29,19 +29,24 @@ def add_arguments(p):
                    help="smallest and largest payload, e.g. 1KiB 1GiB (default: 1KiB 16MiB)")
     p.add_argument("--factor", type=positive_int, default=4,
                    help="payload step factor, >= 2 (default: 4)")
-    p.add_argument("--iters", type=positive_int, default=10, help="timed calls per payload (default: 10)")
-    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed calls first (default: 2)")
-    p.add_argument("--dtype", default="fp32", choices=list(bench.DTYPES), help="element type (default: fp32)")
+    p.add_argument("--iters", type=positive_int, default=10,
+                   help="timed calls per payload (default: 10)")
+    p.add_argument("--warmup", type=non_negative_int, default=2,
+                   help="untimed calls first (default: 2)")
+    p.add_argument("--dtype", default="fp32", choices=list(bench.DTYPES),
+                   help="element type (default: fp32)")
     p.add_argument("--timeout-s", type=float, default=300,
                    help="seconds before a stuck collective fails (default: 300)")
-    p.add_argument("--json", action="store_true", help="print JSON (meta, rows, fits) instead of a table")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON (meta, rows, fits) instead of a table")
     p.add_argument("--json-out", metavar="FILE", help="also write that JSON to FILE")
 
 
 def run(args) -> int:
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     if not ops:
-        raise ValueError(f"--ops {args.ops!r} names no collective; use some of {', '.join(bench.OPS)}")
+        raise ValueError(f"--ops {args.ops!r} names no collective; "
+                         f"use some of {', '.join(bench.OPS)}")
     bench.check_benchmark(ops, args.iters, args.warmup)
     sizes = bench.payload_sizes(*map(bench.parse_size, args.payload_range), args.factor)
     if args.json_out and not Path(args.json_out).resolve().parent.is_dir():
@@ -57,7 +62,8 @@ def run(args) -> int:
 def _report(args, backend: str, rows: list[dict]) -> None:
     n, fits = rows[0]["ranks"], bench.fit_ops(rows)
     meta = {"ranks": n, "backend": backend, "dtype": args.dtype, "iters": args.iters,
-            "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "command": shlex.join(["trainbook", *sys.argv[1:]])}
     result = {"meta": meta, "rows": rows, "fits": fits}
     if args.json_out:

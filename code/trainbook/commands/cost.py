@@ -22,16 +22,19 @@ def add_arguments(p):
     p.add_argument("--tokens", required=True,
                    help="training tokens: 15T, 300B, 2.5e12 or 1000000 (suffixes k, M, B, T, P)")
     p.add_argument("--seq-len", type=int, default=None,
-                   help="training context length for the attention FLOPs (default: the model's max)")
+                   help="training context length for the attention FLOPs "
+                        "(default: the model's max)")
     p.add_argument("--flops", choices=cost.FLOP_MODES, default="6n+attn",
                    help="FLOPs per token: 6N plus attention (PaLM) or plain 6N (default: 6n+attn)")
     p.add_argument("--gpu", default="h100-sxm",
-                   help=f"accelerator from the spec table: {', '.join(hardware.SPECS)} (default: h100-sxm)")
+                   help=f"accelerator from the spec table: {', '.join(hardware.SPECS)} "
+                        "(default: h100-sxm)")
     p.add_argument("--gpus", type=int, default=1, help="number of GPUs, >= 1 (default: 1)")
     p.add_argument("--mfu", type=float, default=0.4,
                    help="model FLOPs utilisation in (0, 1], e.g. 0.4 for 40%% (default: 0.4)")
     p.add_argument("--dtype", default="bf16",
-                   help=f"dtype whose dense peak MFU refers to: {', '.join(hardware.DTYPES)} (default: bf16)")
+                   help=f"dtype whose dense peak MFU refers to: {', '.join(hardware.DTYPES)} "
+                        "(default: bf16)")
     p.add_argument("--price-per-gpu-hour", type=float, default=None,
                    help="price of one GPU-hour in your currency; without it no cost is printed")
     g = p.add_argument_group("goodput (checkpoints and failures)")
@@ -91,10 +94,12 @@ def run(args) -> int:
         return 0
     print(f"{est.model}: {est.tokens:.4g} tokens x {est.flops / est.tokens:.4g} FLOPs/token "
           f"({est.flop_mode}, seq_len {est.seq_len}) = {est.flops:.4g} FLOPs")
-    print(f"{est.gpus:,} x {est.gpu} at {est.peak_tflops:g} TFLOPS {est.dtype} (dense) x MFU {est.mfu:.0%}")
+    print(f"{est.gpus:,} x {est.gpu} at {est.peak_tflops:g} TFLOPS {est.dtype} (dense) "
+          f"x MFU {est.mfu:.0%}")
     print(table(rows))
     print(f"goodput {gp.goodput:.1%}: cluster MTBF {gp.cluster_mtbf_hours:.3g} h "
-          f"({gp.mtbf_gpu_hours:,.0f} GPU-hours / {gp.gpus:,} GPUs), expected failures {gp.failures:,.1f}; "
+          f"({gp.mtbf_gpu_hours:,.0f} GPU-hours / {gp.gpus:,} GPUs), "
+          f"expected failures {gp.failures:,.1f}; "
           f"checkpoint every {gp.interval_minutes:.3g} min ({gp.ckpt_minutes:g} min each), "
           f"restart {gp.restart_minutes:g} min")
     print(f"waste per hour of useful work: checkpoints {gp.ckpt_share:.1%}, lost work "

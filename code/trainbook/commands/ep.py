@@ -13,7 +13,8 @@ from ..parallel import expert_parallel
 from . import _torchrun
 from ._args import positive_int
 
-HELP = "expert parallelism: train a tiny MoE with experts over the ranks, routing and traffic (torchrun)"
+HELP = ("expert parallelism: train a tiny MoE with experts over the ranks, routing and traffic "
+        "(torchrun)")
 
 
 def add_arguments(p):
@@ -22,10 +23,11 @@ def add_arguments(p):
     p.add_argument("--top-k", type=positive_int, default=2, help="experts per token (default: 2)")
     p.add_argument("--steps", type=positive_int, default=10, help="training steps (default: 10)")
     p.add_argument("--global-batch", type=positive_int, default=16,
-                   help="sequences per step, all ranks together; divisible by the ranks (default: 16)")
+                   help="sequences per step, all ranks together; divisible by the ranks "
+                        "(default: 16)")
     p.add_argument("--capacity-factor", type=float, default=None,
-                   help="tokens an expert takes, as a multiple of an even share (default: no limit, "
-                        "no token dropped)")
+                   help="tokens an expert takes, as a multiple of an even share "
+                        "(default: no limit, no token dropped)")
     p.add_argument("--aux-weight", type=float, default=0.01,
                    help="weight of the load-balancing loss (default: 0.01)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -33,7 +35,8 @@ def add_arguments(p):
 
 def run(args) -> int:
     spec = expert_parallel.EPSetup(n_experts=args.experts, top_k=args.top_k, steps=args.steps,
-                                   global_batch=args.global_batch, capacity_factor=args.capacity_factor,
+                                   global_batch=args.global_batch,
+                                   capacity_factor=args.capacity_factor,
                                    aux_weight=args.aux_weight)
     world = _torchrun.world_size("ep")
     expert_parallel.check_moe(spec.n_experts, spec.top_k, world, spec.capacity_factor)
@@ -53,7 +56,8 @@ def _print(out: dict, spec: expert_parallel.EPSetup, world: int, as_json: bool) 
                "losses": out["trace"].losses,
                "tokens_per_expert": last["tokens_per_expert"].tolist(),  # last step, per layer
                "dropped": last["dropped"],
-               "alltoall_bytes_rank0": out["alltoall"]["forward_bytes"] + out["alltoall"]["backward_bytes"],
+               "alltoall_bytes_rank0": (out["alltoall"]["forward_bytes"]
+                                        + out["alltoall"]["backward_bytes"]),
                "allreduce_bytes_rank0": out["allreduce_bytes"]}
     if as_json:
         print(json.dumps(summary, indent=2))

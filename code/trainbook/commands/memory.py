@@ -3,8 +3,8 @@ fits a GPU. Give --model (a preset or a config.json) for the full breakdown, or 
 model states only. Parallelism: --dp with --zero shards model states, --tp/--pp/--ep divide the
 weights, --tp (with sequence parallelism), --cp and --recompute shrink activations."""
 
-import math
 import json
+import math
 
 from .. import configs, hardware
 from ..compute import memory
@@ -15,14 +15,16 @@ HELP = "training memory per rank: model states, activations, logits; fits a GPU?
 
 def add_arguments(p):
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help=f"preset ({', '.join(configs.PRESETS)}) or path to a config.json")
+    src.add_argument("--model",
+                     help=f"preset ({', '.join(configs.PRESETS)}) or path to a config.json")
     src.add_argument("--params", type=float,
                      help="bare parameter count (e.g. 7.5e9): model states only")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage over the dp ranks: 1 optimizer state, 2 + gradients, "
                         "3 + weights (FSDP); needs --dp > 1")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (with sequence parallelism)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (with sequence parallelism)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; the first stage "
                                                      "holds pp micro-batches in flight)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (split the sequence)")
@@ -36,12 +38,15 @@ def add_arguments(p):
     p.add_argument("--recompute", default="none", choices=memory.RECOMPUTE,
                    help="activation recomputation (default none)")
     p.add_argument("--dtype", default="bf16", choices=memory.PRECISIONS,
-                   help="fp32, or bf16/fp16 mixed precision with fp32 master weights (default bf16)")
+                   help="fp32, or bf16/fp16 mixed precision with fp32 master weights "
+                        "(default bf16)")
     p.add_argument("--optimizer", default="adamw", choices=memory.OPTIMIZERS,
                    help="adamw, sgd (with momentum), adam8bit, adafactor (default adamw)")
     p.add_argument("--activations", default="reference", choices=memory.ACTIVATION_MODELS,
-                   help="activation model: the reference model's, or Korthikanti et al. 2022 Table 2")
-    p.add_argument("--gpu", default="h100-sxm", help=f"GPU to check the fit on ({', '.join(hardware.SPECS)})")
+                   help="activation model: the reference model's, or Korthikanti et al. 2022 "
+                        "Table 2")
+    p.add_argument("--gpu", default="h100-sxm",
+                   help=f"GPU to check the fit on ({', '.join(hardware.SPECS)})")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -55,9 +60,9 @@ def inputs_from_args(args) -> memory.MemoryInputs:
     model = configs.resolve(args.model) if args.model else None
     return memory.MemoryInputs(
         model=model, params=params, dtype=args.dtype, optimizer=args.optimizer, dp=args.dp,
-        zero=args.zero, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, micro_batch=args.micro_batch,
-        seq_len=args.seq_len, microbatches=args.microbatches, recompute=args.recompute,
-        activations=args.activations)
+        zero=args.zero, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+        micro_batch=args.micro_batch, seq_len=args.seq_len, microbatches=args.microbatches,
+        recompute=args.recompute, activations=args.activations)
 
 
 def run(args) -> int:
@@ -67,19 +72,21 @@ def run(args) -> int:
     fit = memory.fits(b, args.gpu)
     what = x.model.name if x.model else f"{x.params:,} parameters"
     if args.json:
-        setup = {k: getattr(x, k) for k in ("dtype", "optimizer", "dp", "zero", "tp", "pp", "cp", "ep",
-                                             "micro_batch", "microbatches", "recompute", "activations")}
+        setup = {k: getattr(x, k) for k in ("dtype", "optimizer", "dp", "zero", "tp", "pp", "cp",
+                                             "ep", "micro_batch", "microbatches", "recompute",
+                                             "activations")}
         setup["seq_len"] = x.tokens_seq or None
-        print(json.dumps({"model": what, "setup": setup, "bytes": b.as_dict(), "fit": fit}, indent=2))
+        print(json.dumps({"model": what, "setup": setup, "bytes": b.as_dict(), "fit": fit},
+                         indent=2))
         return 0
     seq = f", seq {x.tokens_seq}" if x.model else ""
-    print(f"{what}: {x.dtype} {x.optimizer}, dp {x.dp} zero {x.zero}, tp {x.tp} pp {x.pp} cp {x.cp} "
-          f"ep {x.ep}, micro-batch {x.micro_batch}{seq}, recompute {x.recompute}"
+    print(f"{what}: {x.dtype} {x.optimizer}, dp {x.dp} zero {x.zero}, tp {x.tp} pp {x.pp} "
+          f"cp {x.cp} ep {x.ep}, micro-batch {x.micro_batch}{seq}, recompute {x.recompute}"
           + (f" (stage: {b.stage})" if x.pp > 1 else ""))
     print(table(b.rows()))
     for note in b.notes:
         print(f"note: {note}")
     verdict = "fits" if fit["fits"] else "does NOT fit"
-    print(f"{verdict} on {fit['gpu']} ({fit['capacity_gib']:g} GiB): peak {fit['peak_gib']:.2f} GiB, "
-          f"free {fit['free_gib']:.2f} GiB")
+    print(f"{verdict} on {fit['gpu']} ({fit['capacity_gib']:g} GiB): "
+          f"peak {fit['peak_gib']:.2f} GiB, free {fit['free_gib']:.2f} GiB")
     return 0

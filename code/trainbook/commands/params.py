@@ -21,7 +21,8 @@ def run(args) -> int:
         print(json.dumps({"model": cfg.name, "config": cfg.to_dict(), "params": counts}, indent=2))
         return 0
     total = counts["total"]
-    rows = [{"component": k, "parameters": v, "share": f"{v / total:.1%}"} for k, v in counts.items()]
+    rows = [{"component": k, "parameters": v, "share": f"{v / total:.1%}"}
+            for k, v in counts.items()]
     print(f"{cfg.name} ({cfg.flavour} flavour, {cfg.n_layers} layers, d_model {cfg.d_model})")
     print(table(rows))
     return 0

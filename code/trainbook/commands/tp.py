@@ -14,21 +14,24 @@ from ..report import table
 from . import _torchrun
 from ._args import positive_int
 
-HELP = "tensor (and sequence) parallelism from scratch and with DTensor: losses and collectives (torchrun)"
+HELP = ("tensor (and sequence) parallelism from scratch and with DTensor: losses and collectives "
+        "(torchrun)")
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def add_arguments(p):
     p.add_argument("--kind", choices=tensor_parallel.KINDS, action="append",
                    help="implementation (repeatable; default: all)")
-    p.add_argument("--flavour", choices=("llama", "gpt2"), default="llama", help="model flavour (default: llama)")
+    p.add_argument("--flavour", choices=("llama", "gpt2"), default="llama",
+                   help="model flavour (default: llama)")
     p.add_argument("--d-model", type=positive_int, default=256, help="hidden size (default: 256)")
     p.add_argument("--layers", type=positive_int, default=2, help="transformer blocks (default: 2)")
     p.add_argument("--heads", type=positive_int, default=8,
                    help="query heads, divisible by the ranks (default: 8)")
     p.add_argument("--kv-heads", type=positive_int, default=8,
                    help="key/value heads, divisible by the ranks; llama only (default: 8)")
-    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence (default: 128)")
+    p.add_argument("--seq-len", type=positive_int, default=128,
+                   help="tokens per sequence (default: 128)")
     p.add_argument("--batch", type=positive_int, default=8,
                    help="sequences per step, every rank sees all (default: 8)")
     p.add_argument("--steps", type=positive_int, default=3, help="training steps (default: 3)")
@@ -43,7 +46,8 @@ def run(args) -> int:
                           seq_len=args.seq_len, global_batch=args.batch, steps=args.steps)
     cfg = setup.model_config()  # a shape the model cannot have fails here
     world = _torchrun.world_size("tp")
-    tensor_parallel.check_divisible(cfg, world, setup.seq_len, sp=any(k.endswith("_sp") for k in kinds))
+    tensor_parallel.check_divisible(cfg, world, setup.seq_len,
+                                    sp=any(k.endswith("_sp") for k in kinds))
     with _torchrun.process_group():
         rows = [_row(kind, tensor_parallel.run_tp(setup, kind)) for kind in kinds]
         if _torchrun.is_main():

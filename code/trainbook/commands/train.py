@@ -18,13 +18,15 @@ def add_arguments(p):
     for f in config_fields():
         flag, help = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default})"
         if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=help)
         else:
             conv = int if f.type.startswith("int") else float if f.type.startswith("float") else str
             p.add_argument(flag, type=conv, default=f.default, help=help)
     p.add_argument("--json", action="store_true",
                    help="print the final summary as JSON (the training log goes to stderr)")
-    p.add_argument("--json-out", help="write the config, summary and per-step history to this JSON file")
+    p.add_argument("--json-out",
+                   help="write the config, summary and per-step history to this JSON file")
 
 
 def summary(result) -> dict:

@@ -24,7 +24,8 @@ def add_arguments(p):
                    help=f"comma-separated implementations, from {', '.join(zero.KINDS)} "
                         "(default: zero1,zero2,zero3,fsdp2)")
     p.add_argument("--steps", type=positive_int, default=3, help="training steps (default: 3)")
-    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"), help="optimizer (default: sgd)")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
+                   help="optimizer (default: sgd)")
     p.add_argument("--measure", action="store_true", help="also measure peak memory per rank")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -51,11 +52,13 @@ def run(args) -> int:
     return 0
 
 
-def _row(setup: harness.Setup, kind: str, psi: int, ref: harness.Trace | None, measure: bool) -> dict:
+def _row(setup: harness.Setup, kind: str, psi: int, ref: harness.Trace | None,
+         measure: bool) -> dict:
     """One kind: bytes per step in units of Psi (fp32 model bytes), the differences from the
     one-process reference (where given) and, with measure, this rank's peak MiB."""
     out = zero.run_zero(setup, kind)
-    row = {"kind": kind, "bytes_per_step_psi": {c: b / psi for c, b in out["bytes_per_step"].items()}}
+    row = {"kind": kind,
+           "bytes_per_step_psi": {c: b / psi for c, b in out["bytes_per_step"].items()}}
     if measure:
         row["peak_MiB"] = zero.measure_rank(setup, kind)["peak"] / 2**20
     if ref is not None:
@@ -73,4 +76,5 @@ def _print(rows: list[dict], setup: harness.Setup, world: int, as_json: bool) ->
              **({"peak MiB": r["peak_MiB"]} if "peak_MiB" in r else {}),
              **{f"max |d {n}|": f"{v:.1e}" for n, v in r["max_diff"].items()}} for r in rows]
     print(f"{world} ranks, {setup.steps} steps, {setup.optimizer}")
-    print(table(flat, list(dict.fromkeys(c for r in flat for c in r))))  # kinds differ in collectives
+    # kinds differ in collectives
+    print(table(flat, list(dict.fromkeys(c for r in flat for c in r))))

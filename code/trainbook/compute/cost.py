@@ -46,7 +46,8 @@ def parse_count(text: str | float | int) -> float:
 def _positive(name: str, value: float, allow_zero: bool = False) -> float:
     ok = value >= 0 if allow_zero else value > 0
     if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, got {value!r}")
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, "
+                         f"got {value!r}")
     return float(value)
 
 
@@ -73,7 +74,9 @@ def flops_per_token(cfg: configs.ModelConfig, seq_len: int | None = None,
     if mode not in FLOP_MODES:
         raise ValueError(f"FLOP mode {mode!r} is unknown; use one of {', '.join(FLOP_MODES)}")
     seq_len = configs.check_seq_len(cfg, cfg.max_seq_len if seq_len is None else seq_len)
-    return 6.0 * matmul_params(cfg) if mode == "6n" else float(training_flops_per_token(cfg, seq_len))
+    if mode == "6n":
+        return 6.0 * matmul_params(cfg)
+    return float(training_flops_per_token(cfg, seq_len))
 
 
 def run_flops(model, tokens, seq_len: int | None = None, mode: str = "6n+attn") -> float:
@@ -136,7 +139,8 @@ def estimate(model, tokens, gpu: str | hardware.Accelerator = "h100-sxm", gpus: 
 
 
 def implied_mfu(model, tokens, gpu_hours: float, gpu: str | hardware.Accelerator = "a100-80gb",
-                dtype: str = "bf16", seq_len: int | None = None, flop_mode: str = "6n+attn") -> float:
+                dtype: str = "bf16", seq_len: int | None = None,
+                flop_mode: str = "6n+attn") -> float:
     """The MFU a published run implies: its model FLOPs over (GPU-hours * 3600 * peak).
 
     Published GPU-hours cover the whole run (failures, restarts, checkpoints, evaluation,
@@ -184,7 +188,8 @@ def first_order_waste(interval_s: float, ckpt_s: float, mtbf_s: float,
     """Wasted time per second of useful work, to first order in 1/M: checkpoint writes
     delta/tau, plus per failure (one every M seconds) a restart R and on average half an
     interval of lost work tau/2. Minimised by Young's tau* = sqrt(2 delta M)."""
-    tau, d = _positive("checkpoint interval", interval_s), _positive("checkpoint time", ckpt_s, True)
+    tau = _positive("checkpoint interval", interval_s)
+    d = _positive("checkpoint time", ckpt_s, True)
     m, r = _positive("MTBF", mtbf_s), _positive("restart time", restart_s, True)
     return d / tau + (r + tau / 2) / m
 
@@ -271,7 +276,7 @@ def simulate_wall_seconds(work_s: float, interval_s: float, ckpt_s: float, mtbf_
         raise ValueError(f"runs must be an integer >= 1, got {runs!r}")
     rng = np.random.default_rng(seed)
 
-    def window(length: float, n: int, then_restart: bool = True) -> "np.ndarray":
+    def window(length: float, n: int, then_restart: bool = True) -> np.ndarray:
         """Time to get `length` seconds free of failures, `n` times over. After a failure in a
         segment comes a restart (itself retried until it gets `r` seconds free of failures)."""
         total, pending = np.zeros(n), np.ones(n, dtype=bool)
@@ -299,7 +304,8 @@ def summary_rows(est: RunEstimate, gp: Goodput) -> list[dict]:
     """The ideal run and the run with checkpoints and failures, side by side (CLI, calculator)."""
     gpu_hours = gp.wall_hours * est.gpus
     return [
-        {"": "ideal (compute only)", "days": est.days, "GPU-hours": est.gpu_hours, "cost": est.cost},
+        {"": "ideal (compute only)", "days": est.days, "GPU-hours": est.gpu_hours,
+         "cost": est.cost},
         {"": "with checkpoints and failures", "days": gp.wall_hours / 24, "GPU-hours": gpu_hours,
          "cost": None if est.cost is None else gpu_hours * est.price_per_gpu_hour},
     ]

@@ -100,11 +100,11 @@ def reference_layer_bytes(cfg: ModelConfig, b: int, s: int, dtype: str = "fp32",
     normalized x and the weighted output (3d; in 16 bits the fp32 copy replaces the input);
     attention keeps the rotated q, the attention output and its reshaped copy (3 x heads x
     head_dim), k and v after the GQA repeat (full-size copies: 2 x heads x head_dim) and an fp32
-    log-sum-exp per head; SwiGLU keeps gate, silu(gate), up and their product (4 d_ff). The gpt2 flavour keeps
-    input and output of each LayerNorm, q/k/v, the attention output and its copy, and the GELU
-    input and output. Tensor parallelism divides the head and d_ff dimensions; with sequence
-    parallelism also the norms' tensors. Context parallelism divides the sequence, except the
-    all-gathered k and v. "full" recompute keeps the block input; "selective" recomputes the
+    log-sum-exp per head; SwiGLU keeps gate, silu(gate), up and their product (4 d_ff). The gpt2
+    flavour keeps input and output of each LayerNorm, q/k/v, the attention output and its copy, and
+    the GELU input and output. Tensor parallelism divides the head and d_ff dimensions; with
+    sequence parallelism also the norms' tensors. Context parallelism divides the sequence, except
+    the all-gathered k and v. "full" recompute keeps the block input; "selective" recomputes the
     attention core (RoPE, repeat, attention) and keeps the linear layers' inputs: a model that is
     not checked by measurement here. Mixture-of-experts MLPs are approximated (top_k copies).
     """
@@ -134,7 +134,8 @@ def reference_layer_bytes(cfg: ModelConfig, b: int, s: int, dtype: str = "fp32",
     return tok * (norms + attn + mlp)
 
 
-def logits_bytes(b: int, s: int, vocab: int, dtype: str = "fp32", tp: int = 1, cp: int = 1) -> float:
+def logits_bytes(b: int, s: int, vocab: int, dtype: str = "fp32", tp: int = 1,
+                 cp: int = 1) -> float:
     """Peak bytes of the logits and the cross-entropy buffers, as the reference model computes them.
 
     The logits (the caller keeps them until the step ends), the fp32 log-softmax saved for
@@ -180,16 +181,18 @@ class MemoryInputs:
 
     def __post_init__(self):
         if (self.model is None) == (self.params is None):
-            raise ValueError("give either a model config or a bare parameter count (params), not both")
-        if self.params is not None and (not isinstance(self.params, int) or isinstance(self.params, bool)
-                                        or self.params < 1):
+            raise ValueError("give either a model config or a bare parameter count (params), "
+                             "not both")
+        if self.params is not None and (not isinstance(self.params, int)
+                                        or isinstance(self.params, bool) or self.params < 1):
             raise ValueError(f"params must be a positive integer, got {self.params!r}")
         if self.microbatches is None:  # a pipeline needs at least pp micro-batches to fill
             object.__setattr__(self, "microbatches", self.pp)
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "microbatches", "interleave"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                 f"got {v!r}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ValueError(f"--seq-len must be a positive integer, got {self.seq_len!r}")
         _check_choice(self.dtype, PRECISIONS, "dtype")
@@ -200,8 +203,8 @@ class MemoryInputs:
         if self.interleave > 1 and self.pp == 1:
             raise ValueError(f"interleave {self.interleave} needs pipeline parallelism (--pp > 1)")
         if self.ep > 1 and self.dp % self.ep:
-            raise ValueError(f"--ep {self.ep} does not divide --dp {self.dp}; expert-parallel ranks "
-                             "are carved out of the data-parallel ranks")
+            raise ValueError(f"--ep {self.ep} does not divide --dp {self.dp}; expert-parallel "
+                             "ranks are carved out of the data-parallel ranks")
         cfg = self.model
         if cfg is None:
             if self.ep > 1:
@@ -218,11 +221,13 @@ class MemoryInputs:
             each = f" into {self.interleave} virtual stages each" if self.interleave > 1 else ""
             raise ValueError(f"--pp {self.pp} does not divide {cfg.n_layers} layers{each}")
         if self.ep > 1 and not cfg.is_moe:
-            raise ValueError(f"--ep {self.ep} needs a mixture-of-experts model; {cfg.name} is dense")
+            raise ValueError(f"--ep {self.ep} needs a mixture-of-experts model; "
+                             f"{cfg.name} is dense")
         if cfg.n_experts % self.ep:
             raise ValueError(f"--ep {self.ep} does not divide {cfg.n_experts} experts")
         if self.tokens_seq % self.cp:
-            raise ValueError(f"--cp {self.cp} does not divide the sequence length {self.tokens_seq}")
+            raise ValueError(f"--cp {self.cp} does not divide the sequence length "
+                             f"{self.tokens_seq}")
 
     @property
     def tokens_seq(self) -> int:
@@ -302,7 +307,8 @@ def _adafactor_factored(cfg: ModelConfig) -> tuple[float, float]:
         mats.append((cfg.n_experts, d))
     numel = L * sum(r * c for r, c in mats)
     rc = L * sum(r + c for r, c in mats)
-    head = [(V, d)] * (1 if cfg.tied else 2) + ([(cfg.max_seq_len, d)] if cfg.flavour == "gpt2" else [])
+    head = ([(V, d)] * (1 if cfg.tied else 2)
+            + ([(cfg.max_seq_len, d)] if cfg.flavour == "gpt2" else []))
     return numel + sum(r * c for r, c in head), rc + sum(r + c for r, c in head)
 
 
@@ -388,8 +394,8 @@ def estimate(x: MemoryInputs) -> MemoryBreakdown:
         peak = max(base + stored + head_acts + logit_b,
                    base + g_rebuild + stored + rebuilt + held_logits, w + g + o)
         upper = w + g + o + acts + logit_b + transient
-        br = MemoryBreakdown(w, g, o, acts, logit_b, transient, peak, upper, n_dense + n_expert, stage,
-                             list(notes))
+        br = MemoryBreakdown(w, g, o, acts, logit_b, transient, peak, upper, n_dense + n_expert,
+                             stage, list(notes))
         if best is None or br.peak > best.peak:
             best = br
     return best

@@ -87,8 +87,8 @@ class ChinchillaFit:
         (alpha + beta), so L_opt(C) = E + K (C/6)^-gamma with K = A / G^alpha + B G^beta.
         """
         if not target > self.E:
-            raise ValueError(f"target loss {target} is not above the irreducible loss E = {self.E:.4g}; "
-                             "no finite budget reaches it")
+            raise ValueError(f"target loss {target} is not above the irreducible loss "
+                             f"E = {self.E:.4g}; no finite budget reaches it")
         gamma = self.alpha * self.beta / (self.alpha + self.beta)
         K = self.A / self.G ** self.alpha + self.B * self.G ** self.beta
         return 6 * (K / (target - self.E)) ** (1 / gamma)
@@ -163,7 +163,8 @@ def kaplan_optimal(C: float) -> tuple[float, float]:
 # ---------------------------------------------------------------- fitting
 
 def _objective(theta, logN, logD, logL, delta):
-    """Sum of Huber(log L_hat - log L) and its gradient, log L_hat = LSE(a - alpha logN, b - beta logD, e)."""
+    """Sum of Huber(log L_hat - log L) and its gradient,
+    log L_hat = LSE(a - alpha logN, b - beta logD, e)."""
     a, b, e, alpha, beta = theta
     terms = np.stack([a - alpha * logN, b - beta * logD, np.full_like(logN, e)])
     m = terms.max(axis=0)
@@ -256,7 +257,8 @@ def fit_parametric(N, D, loss, grid: dict | None = None, delta: float = HUBER_DE
 
     N, D, L = (_positive(k, v).ravel() for k, v in (("N", N), ("D", D), ("loss", loss)))
     if not len(N) == len(D) == len(L):
-        raise ValueError(f"N, D and loss must have the same length, got {len(N)}, {len(D)}, {len(L)}")
+        raise ValueError(f"N, D and loss must have the same length, "
+                         f"got {len(N)}, {len(D)}, {len(L)}")
     if len(N) < 5:
         raise ValueError(f"fitting 5 parameters needs at least 5 points, got {len(N)}")
     if delta <= 0:
@@ -341,7 +343,8 @@ def group_by_budget(df, budgets, tol_dex: float = 0.05):
 # ---------------------------------------------------------------- over-training for inference
 
 def tokens_for_loss(fit: str | ChinchillaFit, N, target: float):
-    """Training tokens a model of N parameters needs to reach `target` loss (inf if it never does)."""
+    """Training tokens a model of N parameters needs to reach `target` loss (inf if it never
+    does)."""
     f = get_fit(fit)
     N = _positive("N", N)
     gap = target - f.E - f.A / N ** f.alpha

@@ -46,7 +46,8 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def tree_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks with a binomial tree: reduce to rank 0 in log2(n) rounds, then broadcast back."""
+    """Sum over ranks with a binomial tree: reduce to rank 0 in log2(n) rounds, then broadcast
+    back."""
     n, rank = dist.get_world_size(), dist.get_rank()
     out = tensor.detach().clone().contiguous()
     buf = torch.empty_like(out)
@@ -113,7 +114,8 @@ def tree_time(n: int, nbytes: float, alpha_s: float, bandwidth_Bps: float) -> fl
 def what_each_collective_does() -> dict[str, tuple[list, list]]:
     """Run each collective on tiny integer tensors: {op: (this rank's input, its output)}.
 
-    Rank r starts with [10r, 10r + 1, ..., 10r + n - 1], so every output shows where its numbers came from.
+    Rank r starts with [10r, 10r + 1, ..., 10r + n - 1], so every output shows where its numbers
+    came from.
     """
     n, r = dist.get_world_size(), dist.get_rank()
     x = torch.arange(n, dtype=torch.float32) + 10 * r

@@ -311,8 +311,9 @@ def run_cp(setup: harness.Setup, kind: str = "allgather_kv", measure_memory: boo
 
     Returns this rank's trace (reference parameter names; the model is replicated, so its
     gradients and parameters are already full tensors), the query-key pairs its attention
-    computed per layer (per sequence and head: the causal-mask entries it evaluated), the median seconds per step, and with measure_memory its
-    peak tensor memory (one AdamW step, `memory_measure.tracked_peak`) next to the estimator.
+    computed per layer (per sequence and head: the causal-mask entries it evaluated), the median
+    seconds per step, and with measure_memory its peak tensor memory (one AdamW step,
+    `memory_measure.tracked_peak`) next to the estimator.
     """
     fn, scheme = _check_kind(kind)
     rank, world = _group_info()
@@ -333,7 +334,8 @@ def run_cp(setup: harness.Setup, kind: str = "allgather_kv", measure_memory: boo
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
         losses.append(mean)
-    trace = harness.Trace(losses, first, {n: p.detach().clone() for n, p in model.named_parameters()})
+    trace = harness.Trace(losses, first,
+                          {n: p.detach().clone() for n, p in model.named_parameters()})
     out = {"rank": rank, "kind": kind, "trace": trace,
            "pairs_per_layer": counter["pairs"] // setup.n_layers,
            "step_seconds": sorted(times)[len(times) // 2]}

@@ -107,7 +107,8 @@ def run_data_parallel(setup: harness.Setup, kind: str = "scratch", accumulation:
         t0 = time.perf_counter()
         x, y = harness.shard(batch, rank, world)
         if len(x) % accumulation:
-            raise ValueError(f"{len(x)} sequences per rank do not split into {accumulation} micro-batches")
+            raise ValueError(f"{len(x)} sequences per rank do not split into {accumulation} "
+                             "micro-batches")
         total = torch.zeros(())
         for micro, (xm, ym) in enumerate(zip(x.chunk(accumulation), y.chunk(accumulation))):
             last = micro == accumulation - 1
@@ -122,7 +123,8 @@ def run_data_parallel(setup: harness.Setup, kind: str = "scratch", accumulation:
         times.append(time.perf_counter() - t0)
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    trace = harness.Trace(losses, first, {n: p.detach().clone() for n, p in model.named_parameters()})
+    trace = harness.Trace(losses, first,
+                          {n: p.detach().clone() for n, p in model.named_parameters()})
     calls = wrapped.calls if kind == "scratch" else None
     sent = wrapped.bytes if kind == "scratch" else None
     return {"trace": trace, "allreduce_calls": calls, "allreduce_bytes": sent,

@@ -32,16 +32,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import configs
+from ..launch import rank_device
 from ..model import MoE, Transformer
 from . import harness
-from ..launch import rank_device
-
 
 # ---------------------------------------------------------------------------------------------
 # Routing
 # ---------------------------------------------------------------------------------------------
 
-def check_moe(n_experts: int, top_k: int, ep: int = 1, capacity_factor: float | None = None) -> None:
+def check_moe(n_experts: int, top_k: int, ep: int = 1,
+              capacity_factor: float | None = None) -> None:
     """Reject layouts the layer cannot run, with a message that says how to fix them."""
     if n_experts < 1 or top_k < 1:
         raise ValueError(f"n_experts and top_k must be >= 1, got {n_experts}, {top_k}")
@@ -74,7 +74,9 @@ def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -
 
     f_i = fraction of the token assignments routed to expert i (counts / (tokens * k); not
     differentiable), P_i = mean router probability of expert i (differentiable). It is 1 when
-    routing is perfectly uniform and grows up to E as routing collapses onto one expert.
+    routing is perfectly uniform. Each token picks k distinct experts, so f_i <= 1/k and the loss
+    is at most E/k, reached when every token routes to the same k experts and the router puts all
+    its probability on them (E only for top-1, Switch's case).
     """
     n_experts = probs.shape[-1]
     f = counts.to(probs.dtype) / counts.sum().clamp(min=1)
@@ -82,7 +84,8 @@ def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Mean squared log-sum-exp of the router logits (Zoph et al. 2022, ST-MoE): keeps them small."""
+    """Mean squared log-sum-exp of the router logits (Zoph et al. 2022, ST-MoE): keeps them
+    small."""
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
@@ -290,7 +293,7 @@ class EPSetup:
             raise ValueError(f"aux_weight and z_weight must be >= 0, got {self.aux_weight}, "
                              f"{self.z_weight}")
 
-    def with_(self, **changes) -> "EPSetup":
+    def with_(self, **changes) -> EPSetup:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 
@@ -482,7 +485,8 @@ def check_layer(n_experts: int = 4, top_k: int = 2, tokens_per_rank: int = 16, d
                 d_ff: int = 48, seed: int = 0) -> dict:
     """Largest differences between ExpertParallelMoE on this rank's tokens and trainbook.model.MoE
     on all ranks' tokens: outputs, input gradients, this rank's expert gradients and the router
-    gradient (summed over the ranks). Loss: sum(out * g) with a fixed random g. Call on every rank."""
+    gradient (summed over the ranks). Loss: sum(out * g) with a fixed random g. Call on every
+    rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = configs.get("tiny-mixtral").with_(d_model=d_model, n_heads=4, n_kv_heads=2, d_ff=d_ff,
                                             n_experts=n_experts, top_k=top_k)

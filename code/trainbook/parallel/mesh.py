@@ -30,8 +30,8 @@ from torch import nn
 
 from ..launch import rank_device
 from ..model import lm_loss
-from . import harness
 from ..train.parallelize import split_model, tp_plan
+from . import harness
 
 KINDS = ("fsdp_tp", "hsdp", "pp_fsdp")
 

@@ -12,8 +12,10 @@ Two schedules, the only difference is the order of the same F and B operations o
 
 - GPipe (Huang et al. 2019): all m forwards, then all m backwards. Every stage holds the
   activations of all m micro-batches at once.
-- 1F1B (Narayanan et al. 2019, 2021): p - 1 - stage warm-up forwards, then alternate one forward
-  and one backward, then drain the remaining backwards. Stage s holds at most p - s micro-batches.
+- 1F1B as PipeDream-Flush runs it (Narayanan et al. 2021, ICML, "Memory-Efficient
+  Pipeline-Parallel DNN Training"; synchronous, unlike PipeDream's 1F1B of 2019): p - 1 - stage
+  warm-up forwards, then alternate one forward and one backward, then drain the remaining
+  backwards, and flush before the optimizer step. Stage s holds at most p - s micro-batches.
 
 Both leave the same bubble, (p - 1) idle slots per rank out of m + p - 1. Every F and B is timed
 (perf_counter, zero at a barrier), so the timelines in the book are measured, not drawn. The
@@ -171,8 +173,12 @@ def native_stage_indices(kind: str, p: int, rank: int) -> tuple[int, list[int]]:
 
 def native_schedule(kind: str, stages: list, m: int):
     """The torch.distributed.pipelining schedule object for `kind` over this rank's stages."""
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
     if kind == "native-gpipe":
         return ScheduleGPipe(stages[0], m, loss_fn=lm_loss)
     if kind == "native-1f1b":
@@ -396,7 +402,8 @@ def sweep(setup: harness.Setup, variants: list[dict]) -> list[dict]:
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     """Idle fraction of a step for GPipe/1F1B with p stages and m micro-batches, equal stage
     times: (p - 1) / (v m + p - 1); with v interleaved chunks per rank the bubble shrinks v-fold
-    relative to compute (Narayanan et al. 2021, Section 2.2)."""
+    relative to compute (Narayanan et al. 2021, SC21, "Efficient Large-Scale Language Model
+    Training on GPU Clusters Using Megatron-LM", Section 2.2)."""
     for name, val in (("p", p), ("m", m), ("v", v)):
         if not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive integer, got {val!r}")

@@ -45,14 +45,13 @@ TP communication with compute, and FP8. It ranks layouts; it does not predict a 
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 from numbers import Integral
 
 from .. import configs, hardware
-from ..layout import RECOMPUTE, Layout, layout_rules, stage_layers
 from ..compute import flops, memory
 from ..compute.roofline import BYTES_PER_ELEMENT
+from ..layout import RECOMPUTE, Layout, layout_rules, stage_layers
 from .collectives import collective_time
 
 GiB = 2**30

@@ -16,7 +16,8 @@ for the same communication volume.
 
 `parallelize_scratch` applies it to a copy of the reference `trainbook.model.Transformer` from
 outside, by swapping modules (the model's forward runs unchanged), keeping the reference
-parameter names, so `full_tensors` can gather the shards for comparison with `harness.reference`. Every collective goes through `Comm`, which counts calls and bytes.
+parameter names, so `full_tensors` can gather the shards for comparison with
+`harness.reference`. Every collective goes through `Comm`, which counts calls and bytes.
 `parallelize_dtensor` does the same with PyTorch's `parallelize_module`; `run_tp` trains either
 and `sweep` runs several variants in one launch.
 """
@@ -35,10 +36,10 @@ from torch import nn
 
 from ..bench.collectives import bus_factor
 from ..configs import ModelConfig
+from ..launch import rank_device
 from ..model import Attention, Transformer
 from ..train.parallelize import tp_plan  # noqa: F401 (the one plan, shown in the chapter)
 from . import harness
-from ..launch import rank_device
 
 KINDS = ("scratch", "scratch_sp", "dtensor", "dtensor_sp")
 # CommDebugMode's op names (c10d ops for plain dist calls, functional ones for DTensor)
@@ -47,7 +48,8 @@ _OP_NAMES = {"allreduce": "all_reduce", "_allgather_base": "all_gather",
              "reduce_scatter_tensor": "reduce_scatter"}
 
 
-def check_divisible(cfg: ModelConfig, tp: int, seq_len: int | None = None, sp: bool = False) -> None:
+def check_divisible(cfg: ModelConfig, tp: int, seq_len: int | None = None,
+                    sp: bool = False) -> None:
     """Raise a ValueError unless `tp` ranks can split this model (and, with SP, the sequence)."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
@@ -221,7 +223,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.comm = comm
         self.weight = _shard(linear.weight, 1, comm)
-        self.bias = _replicated(copy.deepcopy(linear.bias), comm) if linear.bias is not None else None
+        self.bias = (_replicated(copy.deepcopy(linear.bias), comm)
+                     if linear.bias is not None else None)
 
     def forward(self, x):
         z = exit_tp(F.linear(x, self.weight), self.comm)
@@ -332,12 +335,14 @@ def emulate_vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Te
     """The same arithmetic in one process: split (N, V) logits into tp vocabulary shards, run each
     rank's local step, and combine as the all-reduces would. Equals F.cross_entropy."""
     if logits.dim() != 2 or logits.shape[-1] % tp:
-        raise ValueError(f"need (N, V) logits with V divisible by tp {tp}, got {tuple(logits.shape)}")
+        raise ValueError(f"need (N, V) logits with V divisible by tp {tp}, "
+                         f"got {tuple(logits.shape)}")
     shards = logits.float().chunk(tp, dim=-1)
     starts = [i * shards[0].shape[-1] for i in range(tp)]
     gmax = torch.stack([_local_max(s) for s in shards]).max(0).values
     total = torch.stack([_local_sum_exp(s, gmax) for s in shards]).sum(0)
-    target = torch.stack([_local_target_logit(s, targets, a)[0] for s, a in zip(shards, starts)]).sum(0)
+    target = torch.stack([_local_target_logit(s, targets, a)[0]
+                          for s, a in zip(shards, starts)]).sum(0)
     return (total.log() + gmax - target).mean()
 
 
@@ -349,7 +354,8 @@ def cross_entropy_rank(logits: torch.Tensor, targets: torch.Tensor) -> tuple[flo
         raise ValueError("cross_entropy_rank runs inside a process group (launch.run)")
     comm = Comm(dist.get_world_size(), dist.get_rank())
     if logits.dim() != 2 or logits.shape[-1] % comm.tp:
-        raise ValueError(f"need (N, V) logits with V divisible by tp {comm.tp}, got {tuple(logits.shape)}")
+        raise ValueError(f"need (N, V) logits with V divisible by tp {comm.tp}, "
+                         f"got {tuple(logits.shape)}")
     local = logits.chunk(comm.tp, dim=-1)[comm.rank].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(local, targets, comm, comm.rank * local.shape[-1])
     loss.backward()
@@ -425,7 +431,8 @@ def scratch_loss(model: Transformer, comm: Comm, x: torch.Tensor, y: torch.Tenso
 def sync_sequence_parallel_grads(model: nn.Module, comm: Comm) -> None:
     """Under SP the norms (and row-parallel biases, positions) saw only this rank's positions:
     sum their gradients over ranks, in one flat all-reduce."""
-    params = [p for p in model.parameters() if getattr(p, "sp_partial", False) and p.grad is not None]
+    params = [p for p in model.parameters()
+              if getattr(p, "sp_partial", False) and p.grad is not None]
     if not params:
         return
     flat = comm.all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), "backward", "grads")
@@ -466,13 +473,18 @@ def theory_counts(cfg: ModelConfig, sp: bool, batch: int, seq_len: int) -> list[
                 ("reduce_scatter", "forward", "block", 2 * L, act),
                 ("reduce_scatter", "backward", "block", 2 * L, act),
                 ("all_gather", "backward", "block", 2 * L, act),
-                ("reduce_scatter", "forward", "embed", 1, act), ("all_gather", "backward", "embed", 1, act),
-                ("all_gather", "forward", "head", 1, act), ("reduce_scatter", "backward", "head", 1, act)]
+                ("reduce_scatter", "forward", "embed", 1, act),
+                ("all_gather", "backward", "embed", 1, act),
+                ("all_gather", "forward", "head", 1, act),
+                ("reduce_scatter", "backward", "head", 1, act)]
     else:
-        rows = [("all_reduce", "forward", "block", 2 * L, act), ("all_reduce", "backward", "block", 2 * L, act),
-                ("all_reduce", "forward", "embed", 1, act), ("all_reduce", "backward", "head", 1, act)]
+        rows = [("all_reduce", "forward", "block", 2 * L, act),
+                ("all_reduce", "backward", "block", 2 * L, act),
+                ("all_reduce", "forward", "embed", 1, act),
+                ("all_reduce", "backward", "head", 1, act)]
     rows.append(("all_reduce", "forward", "loss", 3, token))
-    return [{"op": o, "phase": p, "where": w, "calls": c, "bytes": c * each} for o, p, w, c, each in rows]
+    return [{"op": o, "phase": p, "where": w, "calls": c, "bytes": c * each}
+            for o, p, w, c, each in rows]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,7 +581,8 @@ def run_tp(setup: harness.Setup, kind: str = "scratch", measure_memory: bool = F
             first = full_tensors(model, "grad")
             counts = comm.table() if comm is not None else None
             observed = {_op_name(k): v for k, v in mode.get_comm_counts().items()}
-            in_step = CommDebugMode()  # DTensor reduces Partial gradients when the optimizer reads them
+            # DTensor reduces Partial gradients when the optimizer reads them
+            in_step = CommDebugMode()
             with in_step:
                 opt.step()
             in_optimizer = {_op_name(k): v for k, v in in_step.get_comm_counts().items()}
@@ -600,5 +613,6 @@ def estimate_memory(setup: harness.Setup, tp: int, sp: bool):
     Compare with AdamW: the estimator's "sgd" has a momentum buffer, the harness's SGD none."""
     from ..compute.memory import MemoryInputs, estimate
 
-    return estimate(MemoryInputs(model=setup.model_config(), dtype="fp32", optimizer=setup.optimizer,
-                                 tp=tp, sp=sp, micro_batch=setup.global_batch, seq_len=setup.seq_len))
+    return estimate(MemoryInputs(model=setup.model_config(), dtype="fp32",
+                                 optimizer=setup.optimizer, tp=tp, sp=sp,
+                                 micro_batch=setup.global_batch, seq_len=setup.seq_len))

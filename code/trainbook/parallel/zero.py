@@ -40,8 +40,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..bench.collectives import bus_factor
-from . import harness
 from ..launch import rank_device
+from . import harness
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 KINDS = ("ddp", "zero1", "zero2", "zero3", "zero_redundancy_optimizer", "fsdp2")
@@ -57,7 +57,8 @@ class FlatUnit:
         self.numel = sum(p.numel() for p in self.params)
         self.padded = -(-self.numel // world) * world
         self.k = self.padded // world
-        self.full = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
+        self.full = torch.zeros(self.padded, dtype=self.params[0].dtype,
+                                device=self.params[0].device)
         self.offsets, offset = {}, 0
         for p in self.params:  # parameters become views of the flat buffer
             self.full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
@@ -124,7 +125,8 @@ class ZeRO(nn.Module):
     start from the same weights (here: the same seeded construction).
     """
 
-    def __init__(self, module: nn.Module, stage: int, make_optimizer, units: list[nn.Module] | None = None):
+    def __init__(self, module: nn.Module, stage: int, make_optimizer,
+                 units: list[nn.Module] | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
@@ -184,8 +186,8 @@ class ZeRO(nn.Module):
         """Stage 1 reduces here, all at once; stages 2-3 already did during backward."""
         stuck = [u.names[0] for u in self.units if u.pending]
         if stuck:
-            raise ValueError(f"backward left units starting at {stuck} without all their gradients; "
-                             "every parameter must take part in the loss")
+            raise ValueError(f"backward left units starting at {stuck} without all their "
+                             "gradients; every parameter must take part in the loss")
         for u in self.units:
             u.reduce_gradients()
 
@@ -360,13 +362,14 @@ def run_zero(setup: harness.Setup, kind: str = "zero1", reshard_after_forward: b
     trace = harness.Trace(losses, first, run.params())
     times = sorted(times[1:] or times)
     per_step = lambda d: {k: v / setup.steps for k, v in d.items()}  # noqa: E731
-    return {"kind": kind, "trace": trace, "counters": per_step(run.counters) if run.counters else None,
+    return {"kind": kind, "trace": trace,
+            "counters": per_step(run.counters) if run.counters else None,
             "bytes_per_step": per_step(comm.bytes), "calls_per_step": per_step(comm.calls),
             "shard_numel": run.shard_numel, "step_seconds": times[len(times) // 2]}
 
 
-def measure_rank(setup: harness.Setup, kind: str = "zero1", reshard_after_forward: bool | int = True,
-                 mixed_precision: bool = False) -> dict:
+def measure_rank(setup: harness.Setup, kind: str = "zero1",
+                 reshard_after_forward: bool | int = True, mixed_precision: bool = False) -> dict:
     """This rank's peak tensor bytes in one steady-state step of `kind` (MemTracker), on its
     shard of the first global batch. Flat buffers and shards count as weights."""
     from ..bench.memory_measure import tracked_peak
@@ -389,7 +392,8 @@ def collective_workspace(numel: int) -> dict[str, float]:
 
     world = dist.get_world_size()
     if numel < 1 or numel % world:
-        raise ValueError(f"numel must be a positive multiple of the world size {world}, got {numel}")
+        raise ValueError(f"numel must be a positive multiple of the world size {world}, "
+                         f"got {numel}")
     out = {}
     for name in ("all_reduce", "reduce_scatter", "all_gather"):
         full, part = torch.ones(numel), torch.ones(numel // world)
@@ -436,6 +440,6 @@ def estimate_rank(setup: harness.Setup, kind: str, world: int = 2):
     zero = {"ddp": 0, "zero_redundancy_optimizer": 1, "fsdp2": 3, **STAGES}[kind]
     if setup.global_batch % world:
         raise ValueError(f"global batch {setup.global_batch} is not divisible by {world} ranks")
-    return estimate(MemoryInputs(model=setup.model_config(), dtype="fp32", optimizer=setup.optimizer,
-                                 dp=world, zero=zero, micro_batch=setup.global_batch // world,
-                                 seq_len=setup.seq_len))
+    return estimate(MemoryInputs(model=setup.model_config(), dtype="fp32",
+                                 optimizer=setup.optimizer, dp=world, zero=zero,
+                                 micro_batch=setup.global_batch // world, seq_len=setup.seq_len))

@@ -11,8 +11,17 @@ Chapter: book/start/first-run; book/parallelism/putting-it-together (layouts).
 from .checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_fields, layout_for, model_config, read_layout
 from .engine import evaluate
-from .loop import (Distributed, TrainResult, generate_text, init_distributed, lr_at,
-                   make_optimizer, peak_dtype, resolve_device, train)
+from .loop import (
+                   Distributed,
+                   TrainResult,
+                   generate_text,
+                   init_distributed,
+                   lr_at,
+                   make_optimizer,
+                   peak_dtype,
+                   resolve_device,
+                   train,
+)
 
 __all__ = ["Distributed", "TrainConfig", "TrainResult", "checkpoint_path", "config_fields",
            "evaluate", "generate_text", "init_distributed", "latest_checkpoint", "layout_for",

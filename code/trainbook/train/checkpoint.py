@@ -76,7 +76,8 @@ def as_one_module(parts: list) -> torch.nn.Module:
     for part in parts:
         for name, child in part.named_children():
             if name == "blocks":
-                items = child.items() if isinstance(child, torch.nn.ModuleDict) else enumerate(child)
+                keyed = isinstance(child, torch.nn.ModuleDict)
+                items = child.items() if keyed else enumerate(child)
                 blocks.update({str(k): b for k, b in items})
             elif child is not None:
                 setattr(one, name, child)

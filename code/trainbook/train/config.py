@@ -59,7 +59,8 @@ class TrainConfig:
     stop_after: int | None = _opt(None, "stop after this step, as if interrupted (for demos)")
     timeout_s: int = _opt(300, "torch.distributed collective timeout, seconds")
     dp_replicate: int = _opt(1, "data-parallel replicas: DDP, or with dp_shard > 1 HSDP's "
-                                "replicate dimension (under torchrun with every degree 1: all ranks)")
+                                "replicate dimension (under torchrun with every degree 1: all "
+                                "ranks)")
     dp_shard: int = _opt(1, "ranks FSDP2 shards parameters, gradients and optimizer state over")
     tp: int = _opt(1, "tensor-parallel ranks (DTensor TP with sequence parallel, loss parallel)")
     pp: int = _opt(1, "pipeline stages' ranks (torch.distributed.pipelining; micro-batches: "
@@ -80,9 +81,11 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:
-            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}")
+            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], "
+                             f"got {self.warmup_steps}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"need lr > 0 and min_lr_ratio in [0, 1], got {self.lr}, {self.min_lr_ratio}")
+            raise ValueError(f"need lr > 0 and min_lr_ratio in [0, 1], "
+                             f"got {self.lr}, {self.min_lr_ratio}")
         if self.dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
         if self.grad_clip < 0 or self.weight_decay < 0:
@@ -110,7 +113,8 @@ class TrainConfig:
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> configs.ModelConfig:
     """The preset with the tokenizer's vocabulary, the training context and any size overrides."""
-    overrides = {k: getattr(cfg, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
+    sizes = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
+    overrides = {k: getattr(cfg, k) for k in sizes
                  if getattr(cfg, k) is not None}
     base = configs.resolve(cfg.model)
     return base.with_(vocab_size=vocab_size, max_seq_len=cfg.seq_len, **overrides)

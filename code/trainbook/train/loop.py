@@ -27,14 +27,24 @@ from ..compute.flops import training_flops_per_token, utilization
 from ..data import ShardedLoader, build_dataset, make_tokenizer
 from ..layout import Layout
 from ..model import Transformer
+from .checkpoint import (
+    checkpoint_path,
+    is_sharded,
+    latest_checkpoint,
+    load_checkpoint,
+    load_sharded,
+    rng_state,
+    save_checkpoint,
+    save_sharded,
+    set_rng_state,
+)
 from .config import TrainConfig, layout_for, model_config, read_layout
-from .checkpoint import (checkpoint_path, is_sharded, latest_checkpoint, load_checkpoint,
-                         load_sharded, rng_state, save_checkpoint, save_sharded, set_rng_state)
 from .engine import Composed, Plain, global_loss
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to cfg.lr over warmup_steps, then cosine decay to min_lr_ratio * lr at cfg.steps."""
+    """Linear warmup to cfg.lr over warmup_steps, then cosine decay to min_lr_ratio * lr at
+    cfg.steps."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
@@ -74,7 +84,8 @@ def init_distributed(device_type: str, timeout_s: int) -> Distributed:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    return Distributed(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return Distributed(dist.get_rank(), dist.get_world_size(), local_rank)
 
 
 def resolve_device(name: str, ddp: Distributed) -> torch.device:
@@ -92,7 +103,8 @@ def resolve_device(name: str, ddp: Distributed) -> torch.device:
 
 
 def peak_dtype(cfg: TrainConfig, device: torch.device) -> str:
-    """The dtype whose peak MFU is measured against: the autocast dtype, tf32 for fp32 on GPUs with it on."""
+    """The dtype whose peak MFU is measured against: the autocast dtype, or tf32 for fp32 on
+    GPUs with it on."""
     if cfg.dtype != "fp32":
         return cfg.dtype
     if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
@@ -122,8 +134,8 @@ class TrainResult:
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Train the reference model as configured; returns history and model (see TrainResult)."""
-    ddp = init_distributed("cuda" if cfg.device.startswith("cuda") or
-                           (cfg.device == "auto" and torch.cuda.is_available()) else "cpu", cfg.timeout_s)
+    gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    ddp = init_distributed("cuda" if gpu else "cpu", cfg.timeout_s)
     device = resolve_device(cfg.device, ddp)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -182,7 +194,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             raise ValueError(f"no checkpoint at {resume_path}")
         if state["model_config"] != mcfg.to_dict():
             raise ValueError(f"checkpoint {resume_path} holds a different model "
-                             f"({state['model_config']['name']}, d_model {state['model_config']['d_model']}); "
+                             f"({state['model_config']['name']}, "
+                             f"d_model {state['model_config']['d_model']}); "
                              "resume with the same model settings or use another ckpt_dir")
         if "model" in state:
             model.load_state_dict(state["model"])
@@ -243,8 +256,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         history.append(rec)
         bar.set_postfix(loss=f"{loss_val:.3f}")
         if cfg.log_every and ((step + 1) % cfg.log_every == 0 or step == start_step):
-            log(f"step {step + 1:5d} | loss {loss_val:.4f} | lr {lr:.2e} | gnorm {rec['grad_norm']:.2f} "
-                f"| {tps:,.0f} tok/s | MFU {rec['mfu']:.1%}")
+            log(f"step {step + 1:5d} | loss {loss_val:.4f} | lr {lr:.2e} "
+                f"| gnorm {rec['grad_norm']:.2f} | {tps:,.0f} tok/s | MFU {rec['mfu']:.1%}")
         if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
             checkpoint(step + 1)
     bar.close()
@@ -254,8 +267,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     val = engine.evaluate(data.val, cfg.batch_size, cfg.eval_batches, device)
     if cfg.log_every:
         log(f"done: {done} steps, validation loss {val:.4f}")
-    return TrainResult(history, model, tokenizer, mcfg, cfg, flops_per_token, peak, spec.source, val,
-                       ddp.world_size, lay)
+    return TrainResult(history, model, tokenizer, mcfg, cfg, flops_per_token, peak, spec.source,
+                       val, ddp.world_size, lay)
 
 
 def generate_text(model: Transformer, tokenizer, prompt: str, max_new_tokens: int = 200,

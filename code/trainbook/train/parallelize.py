@@ -93,8 +93,12 @@ def tp_plan(model: Transformer, sp: bool, shared_input: bool = True,
     (TP only); loss_parallel=False returns whole logits (for a loss computed elsewhere, as a
     pipeline schedule does) instead of a vocabulary-sharded DTensor for `loss_parallel()`."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     gpt2 = model.cfg.flavour == "gpt2"
     seq = Shard(1) if sp else Replicate()
