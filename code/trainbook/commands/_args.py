@@ -2,6 +2,7 @@
 any work, naming the option in its error line (exit status 2). Not a command itself."""
 
 import argparse
+import shlex
 
 
 def _whole(text: str, least: int) -> int:
@@ -22,3 +23,15 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """A whole number >= 0 (warm-up iterations)."""
     return _whole(text, 0)
+
+
+def command_line(args) -> str:
+    """The command as given (rebuilt from the parsed options), for a results file."""
+    parts = ["python", "-m", "trainbook", args.command]
+    for key, value in vars(args).items():
+        if key == "command" or value in (None, False):
+            continue
+        flag = "--" + key.replace("_", "-")
+        values = value if isinstance(value, list) else [value]
+        parts += [flag] if value is True else [flag, *map(str, values)]
+    return shlex.join(parts)

@@ -11,14 +11,13 @@ Example: python -m trainbook benchtrain --threads 1 --output benchtrain-cpu.json
 
 import json
 import platform
-import shlex
 from pathlib import Path
 
 import torch
 
 from ..bench import hf, matmul
 from ..report import table
-from ._args import non_negative_int, positive_int
+from ._args import command_line, non_negative_int, positive_int
 
 HELP = "training tokens/s of the reference model vs Hugging Face transformers, same weights"
 
@@ -47,21 +46,9 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print the results as JSON, no progress bar")
 
 
-def _command_line(args) -> str:
-    """The command as given (rebuilt from the parsed options), for the results file."""
-    parts = ["python", "-m", "trainbook", args.command]
-    for key, value in vars(args).items():
-        if key == "command" or value in (None, False):
-            continue
-        flag = "--" + key.replace("_", "-")
-        values = value if isinstance(value, list) else [value]
-        parts += [flag] if value is True else [flag, *map(str, values)]
-    return shlex.join(parts)
-
-
 def results(args, rows: list[dict], device: torch.device) -> dict:
     """The results document: what ran, where, with which versions, and one row per model."""
-    meta = matmul.metadata(device, hf.precision(device), _command_line(args))
+    meta = matmul.metadata(device, hf.precision(device), command_line(args))
     meta.update(kind="benchtrain", transformers=hf.require_transformers().__version__,
                 python=platform.python_version(), batch=args.batch, seq_len=args.seq_len,
                 steps=args.steps, repeats=args.repeats, warmup=args.warmup)

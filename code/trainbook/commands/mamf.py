@@ -8,10 +8,10 @@ measured so far and exits with status 130. Example: python -m trainbook mamf --d
 """
 
 import json
-import shlex
 
 from ..bench import matmul
 from ..report import table
+from ._args import command_line
 
 HELP = "maximum achievable matmul FLOPS: sweep matmul shapes, report the best TFLOPS and shape"
 
@@ -59,20 +59,6 @@ def _values(args, dim):
     return fixed
 
 
-def _command_line(args) -> str:
-    """The command as given (rebuilt from the parsed options), for the results file."""
-    parts = ["python", "-m", "trainbook", "mamf"]
-    for key, value in vars(args).items():
-        if key == "command" or value in (None, False):
-            continue
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            parts.append(flag)
-        else:
-            parts += [flag, *map(str, value if isinstance(value, list) else [value])]
-    return shlex.join(parts)
-
-
 def run(args) -> int:
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
@@ -87,7 +73,7 @@ def run(args) -> int:
              else matmul.default_flush_bytes(device, small=args.quick))
     if args.budget is not None and args.budget <= 0:
         raise ValueError(f"--budget must be > 0 seconds, got {args.budget}")
-    command = _command_line(args)
+    command = command_line(args)
     result = matmul.sweep(shapes, args.dtype, str(device), repeats, warmup, flush, args.output,
                           progress=not (args.no_progress or args.json), command=command,
                           budget_s=args.budget)
