@@ -49,7 +49,10 @@ HASHED = (
 
 
 def _skipped(path: Path, skip: tuple[str, ...]) -> bool:
-    return any(part.endswith(s) for part in path.parts for s in skip)
+    """Build products, and hidden folders that tools write between the tests and the build
+    (ruff's code/.ruff_cache once changed the key and made the build run every notebook again)."""
+    return any(part.endswith(s) for part in path.parts for s in skip) or \
+        any(part.startswith(".") for part in path.parts)
 
 
 def fingerprint(root: Path = ROOT) -> str:
