@@ -1,4 +1,7 @@
-"""trainbook: the package behind the executable LLM training handbook."""
+"""trainbook: the package behind the executable LLM training handbook.
+
+Chapter: book/how-to-use.
+"""
 
 import os as _os
 

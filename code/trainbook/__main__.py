@@ -1,4 +1,7 @@
-"""python -m trainbook <command>: the handbook's tools from the command line."""
+"""python -m trainbook <command>: the handbook's tools from the command line.
+
+Chapter: book/how-to-use.
+"""
 
 from __future__ import annotations
 

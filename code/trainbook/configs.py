@@ -4,6 +4,8 @@ Two flavours share one config. "gpt2": LayerNorm, learned positions, GELU MLP, b
 embeddings. "llama": RMSNorm, RoPE, SwiGLU MLP, grouped-query attention, untied head, and,
 with `n_experts > 1`, a mixture-of-experts MLP (Mixtral). `param_counts` is the analytic
 parameter count by component; `trainbook.model.Transformer` instantiates exactly that many.
+
+Chapter: book/compute/flops.
 """
 
 from __future__ import annotations

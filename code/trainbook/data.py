@@ -4,6 +4,8 @@ The corpus ships inside the package (nothing is downloaded). Tokenizers: bytes (
 training) or byte-level BPE trained here with Hugging Face `tokenizers`. Documents are packed
 into fixed-length blocks; `ShardedLoader` gives every rank its slice of each global batch in
 an order fixed by (seed, epoch) and can save and restore its position exactly.
+
+Chapter: book/start/first-run.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ tensor-core numbers; vendor sheets often print 2:4-sparse numbers, twice as larg
 Units: TFLOPS = 10^12 FLOP/s, memory in GiB (HBM stacks are binary-sized: the "80 GB" of an
 H100 is 80 GiB; the table gives the nominal capacity, of which CUDA reports slightly less as
 usable), bandwidth in decimal GB/s. Interconnect is the per-GPU bidirectional total.
+
+Chapter: book/appendix/hardware.
 """
 
 from __future__ import annotations

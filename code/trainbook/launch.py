@@ -9,6 +9,8 @@ deadlock), every process is killed and a TimeoutError says so. No chapter or tes
 
 `rank_device()` is the one answer to "where do this rank's tensors live": cuda:LOCAL_RANK
 under NCCL, the CPU under gloo. Every parallel module asks it.
+
+Chapter: book/parallelism/collectives.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ measures whether bf16 is native or emulated here (about 150x slower than fp32 wh
 TRAINBOOK_SLOW_LOWP=1 forces the slow path) and says so: `ctx.matmul_dtype` is the dtype that
 throughput cells should measure in, and `ctx.lowp_emulated` tells cells to keep low-precision
 work small.
+
+Chapter: book/how-to-use.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Plain-text tables for the command line (no pandas needed)."""
+"""Plain-text tables for the command line (no pandas needed).
+
+Chapter: book/how-to-use.
+"""
 
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ reduce_scatter and all_to_all, 1 for broadcast.
 
 gloo on CPU, nccl on GPU. Every rank runs `benchmark()`; the command (`trainbook collectives`)
 prints and writes rank 0's results.
+
+Chapter: book/parallelism/collectives.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ than the last-level cache, so every timed matmul reads its operands from memory,
 training step does). A GPU is timed with CUDA events around the matmul alone; a CPU with
 `time.perf_counter`. Results are appended to a JSON-lines file as they come, so an interrupted
 sweep keeps what it measured, and Ctrl-C ends the sweep with a summary instead of a traceback.
+
+Chapter: book/compute/throughput.
 """
 
 from __future__ import annotations

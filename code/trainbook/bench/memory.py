@@ -2,6 +2,8 @@
 
 A copy of B bytes reads B and writes B, so it moves 2B. On a GPU the copy runs from HBM to HBM;
 on a CPU, use a buffer much larger than the last-level cache or the number is a cache bandwidth.
+
+Chapter: book/compute/throughput.
 """
 
 from __future__ import annotations

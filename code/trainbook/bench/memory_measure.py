@@ -10,6 +10,8 @@ tracked one, so the optimizer state exists: the tracked step is a steady-state s
 `measure_step` runs in this process; `measure_fsdp_rank` runs on every rank under
 `trainbook.launch.run` with the model wrapped by FSDP2 `fully_shard` (each block, then
 the root), and returns that rank's peak.
+
+Chapter: book/compute/memory.
 """
 
 from __future__ import annotations

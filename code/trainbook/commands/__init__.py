@@ -1,6 +1,9 @@
 """Command-line commands. Each module here is one command, named after the module, and has
 HELP (one line), add_arguments(parser) and run(args) -> exit status. Adding a command is adding
-a module; `python -m trainbook --help` lists them all."""
+a module; `python -m trainbook --help` lists them all.
+
+Chapter: book/how-to-use.
+"""
 
 import importlib
 import pkgutil

@@ -1,5 +1,8 @@
 """Argument types shared by the commands: argparse rejects a bad count while it parses, before
-any work, naming the option in its error line (exit status 2). Not a command itself."""
+any work, naming the option in its error line (exit status 2). Not a command itself.
+
+Chapter: book/how-to-use.
+"""
 
 import argparse
 import shlex

@@ -7,6 +7,8 @@ and the ratio ours / transformers (>= 1: the reference model is at least as fast
 bf16 autocast on GPU. Needs transformers (pip install "trainbook[hf]"). On a CPU shared with
 other work, --threads 1 gives steadier numbers than threads fighting over cores.
 Example: python -m trainbook benchtrain --threads 1 --output benchtrain-cpu.json
+
+Chapter: book/compute/throughput.
 """
 
 import json

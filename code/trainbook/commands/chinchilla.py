@@ -4,6 +4,8 @@ Minimises the Chinchilla parametric law L(N, D) = E + A/N^alpha + B/D^beta under
 (Hoffmann et al. 2022, equation 4) with the paper's Approach 3 constants (--fit hoffmann) or
 the Epoch AI refit of Besiroglu et al. 2024 (--fit epoch, the default), and prints N_opt,
 D_opt, tokens per parameter and the predicted final loss (nats per token on MassiveText).
+
+Chapter: book/compute/scaling-laws.
 """
 
 import json

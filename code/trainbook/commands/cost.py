@@ -3,6 +3,8 @@
 Ideal time = training FLOPs / (GPUs x dense peak x MFU). The goodput part stretches it by
 blocking checkpoint writes and failures (each costs a restart plus, on average, half a
 checkpoint interval of lost work), checkpointing at Young's optimal interval unless told.
+
+Chapter: book/compute/cost.
 """
 
 import json

@@ -3,6 +3,8 @@
 Counts matmul FLOPs exactly for the reference model built from the config (trainbook.model):
 forward, backward (2x forward) and recomputation. Totals per token, per sequence, per step
 (--batch sequences) and for a run of --tokens tokens. 6N and PaLM's 6N + 12LHQT for comparison.
+
+Chapter: book/compute/flops.
 """
 
 import json

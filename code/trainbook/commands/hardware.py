@@ -1,4 +1,7 @@
-"""trainbook hardware: the accelerator spec table (and this machine's measured CPU peak)."""
+"""trainbook hardware: the accelerator spec table (and this machine's measured CPU peak).
+
+Chapter: book/appendix/hardware.
+"""
 
 import json
 

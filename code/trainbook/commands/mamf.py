@@ -5,6 +5,8 @@ and reports mean, median and max TFLOPS per shape and the best shape. Runs on CP
 Results go to a JSON-lines file as they are measured; Ctrl-C prints the summary of what was
 measured so far and exits with status 130. Example: python -m trainbook mamf --dtype bf16
 --m-range 1024 20480 1024 --n 4096 --k 4096 --output mamf.jsonl
+
+Chapter: book/compute/throughput.
 """
 
 import json

@@ -1,7 +1,10 @@
 """trainbook memory: training memory per rank (model states, activations, logits) and whether it
 fits a GPU. Give --model (a preset or a config.json) for the full breakdown, or --params N for
 model states only. Parallelism: --dp with --zero shards model states, --tp/--pp/--ep divide the
-weights, --tp (with sequence parallelism), --cp and --recompute shrink activations."""
+weights, --tp (with sequence parallelism), --cp and --recompute shrink activations.
+
+Chapter: book/compute/memory.
+"""
 
 import json
 import math

@@ -1,4 +1,7 @@
-"""trainbook params: exact parameter counts of a model, by component."""
+"""trainbook params: exact parameter counts of a model, by component.
+
+Chapter: book/compute/flops.
+"""
 
 import json
 

@@ -2,7 +2,10 @@
 recompute, interleave) of a model on N GPUs, keep those that obey the divisibility rules and fit
 in memory, estimate each one's step time from compute and communication, and rank them. With
 --explain, say why one layout is or is not feasible. The time model is a ranking aid, not a
-prediction: see trainbook.parallel.planner for what it leaves out."""
+prediction: see trainbook.parallel.planner for what it leaves out.
+
+Chapter: book/parallelism/putting-it-together.
+"""
 
 import json
 

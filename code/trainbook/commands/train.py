@@ -1,4 +1,7 @@
-"""trainbook train: the reference trainer (one process, or under torchrun with DDP)."""
+"""trainbook train: the reference trainer (one process, or under torchrun with DDP).
+
+Chapter: book/start/first-run.
+"""
 
 import argparse
 import contextlib

@@ -1,1 +1,4 @@
-"""Compute and economics: FLOPs, memory, cost, scaling laws (Part 1 of the book)."""
+"""Compute and economics: FLOPs, memory, cost, scaling laws (Part 1 of the book).
+
+Chapter: book/compute/flops.
+"""

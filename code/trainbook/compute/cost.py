@@ -12,6 +12,8 @@ and Daly (2006) give the checkpoint interval that minimises that waste.
 Symbols: W useful compute time, tau checkpoint interval (compute between checkpoints),
 delta time to write one checkpoint, R restart time, M the cluster's mean time between
 failures (the per-GPU MTBF divided by the number of GPUs).
+
+Chapter: book/compute/cost.
 """
 
 from __future__ import annotations

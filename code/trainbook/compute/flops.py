@@ -13,6 +13,8 @@ percent at most and are left out by every convention below (Chinchilla's softmax
 - `chinchilla_forward_flops` (Hoffmann et al. 2022, Appendix F) and its parameter count.
 - `megatron_flops` / `megatron_params` (Narayanan et al. 2021; Korthikanti et al. 2022, App. A).
 - `utilization`: MFU (model FLOPs) or HFU (hardware FLOPs, recomputation included).
+
+Chapter: book/compute/flops.
 """
 
 from __future__ import annotations

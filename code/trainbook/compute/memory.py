@@ -16,6 +16,8 @@ attention score matrices stored (no flash attention). `reference_layer_bytes` co
 the book's reference model (`trainbook.model`) actually saves for backward: no dropout, fused
 attention (`scaled_dot_product_attention`, no s x s scores), SwiGLU or GELU MLP, RoPE and
 grouped-query attention. It is checked against `MemTracker` measurements (`memory_measure`).
+
+Chapter: book/compute/memory.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ A kernel that does F FLOPs while moving B bytes to and from memory has arithmeti
 I = F / B (FLOP/byte). On a device with peak P (FLOP/s) and bandwidth W (byte/s) it cannot run
 faster than min(P, I * W): below the ridge point P / W it is memory-bound, above it compute-bound
 (Williams, Waterman and Patterson 2009). Peaks and bandwidths come from `trainbook.hardware`.
+
+Chapter: book/compute/throughput.
 """
 
 from __future__ import annotations

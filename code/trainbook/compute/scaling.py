@@ -7,6 +7,8 @@ N_opt = G (C/6)^a, D_opt = (C/6)^b / G, with G = (alpha A / (beta B))^(1/(alpha+
 a = beta / (alpha+beta), b = alpha / (alpha+beta). The fit follows the paper's Section 3.3 and
 Appendix D.2 as the replication of Besiroglu et al. 2024 runs it: a Huber loss (delta 1e-3) on
 the log of the loss, minimised with L-BFGS from a grid of initialisations.
+
+Chapter: book/compute/scaling-laws.
 """
 
 from __future__ import annotations

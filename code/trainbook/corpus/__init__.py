@@ -1,0 +1,4 @@
+"""The shipped corpus (Tiny Shakespeare, public domain), read by trainbook.data with a checksum.
+
+Chapter: book/start/first-run.
+"""

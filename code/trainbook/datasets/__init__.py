@@ -1,6 +1,8 @@
 """Data sets shipped inside the package, each checked against its recorded sha256 when read.
 
 Provenance (papers, repository, commit, columns) is in this folder's README.md.
+
+Chapter: book/compute/scaling-laws.
 """
 
 from __future__ import annotations

@@ -1,1 +1,4 @@
-"""Parallelism (Part 5 of the book): launching, and one module per technique."""
+"""Parallelism (Part 5 of the book): launching, and one module per technique.
+
+Chapter: book/parallelism/collectives.
+"""

@@ -5,6 +5,8 @@ The ring sends 2(n-1) messages of S/n bytes per rank (a reduce-scatter, then an 
 bandwidth term does not grow with n, its latency term does. The binomial tree sends log2(n)
 messages of the full S up and log2(n) down: few hops, but every hop carries everything.
 Run them inside a process group (torchrun, or `trainbook.launch.run`).
+
+Chapter: book/parallelism/collectives.
 """
 
 from __future__ import annotations

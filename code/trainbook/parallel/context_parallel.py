@@ -21,6 +21,8 @@ sequence and checks it against `harness.reference`. Ring attention here is diffe
 through autograd (the ring shift's backward is the reverse shift), which is exact but keeps
 every received block for backward; the memory-saving ring backward, which passes dK/dV around
 the ring again, is not implemented.
+
+Chapter: book/parallelism/context-parallel.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ gradients); a hook on each parameter fires when its gradient is accumulated, and
 bucket is complete its all-reduce is launched asynchronously, so communication overlaps with the
 rest of backward. At the end of backward (an autograd-engine callback) the reductions are awaited
 and the averaged gradients copied back. `no_sync()` skips all of it for accumulation micro-steps.
+
+Chapter: book/parallelism/data-parallel.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ single-process `trainbook.model.MoE` on the concatenation of all ranks' tokens.
 Routing utilities (`route`, `load_balancing_loss`, `router_z_loss`, `capacity`, `keep_mask`) are
 pure functions; `RoutedMoE` is the single-process layer with capacity and statistics, and
 `run_ep` trains a small Mixtral-style model with EP x DP on every rank of a process group.
+
+Chapter: book/parallelism/expert-parallel.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The yardstick for every parallelism chapter: the same model, batches and optimizer, run in one
 process on the whole global batch. A parallel run is correct when its losses and gradients match
 this reference within fp32 tolerance.
+
+Chapter: book/parallelism/data-parallel.
 """
 
 from __future__ import annotations

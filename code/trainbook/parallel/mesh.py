@@ -18,6 +18,8 @@ Each `run_*` function trains a few SGD steps and returns a `harness.Trace` with 
 gathered to a full tensor under the reference parameter names, so `harness.max_differences`
 compares it with single-process training. `sweep` runs several in one launch. The same
 functions run on four GPUs under NCCL (the mesh and tensors follow the process group's backend).
+
+Chapter: book/parallelism/putting-it-together.
 """
 
 from __future__ import annotations

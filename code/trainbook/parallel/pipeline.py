@@ -25,6 +25,8 @@ on the same stage modules for comparison.
 Tied embeddings (the gpt2 flavour) put one matrix on the first and on the last stage; its two
 gradient contributions are summed with an all-reduce between those two ranks after the backward
 (as Megatron-LM does), so both copies take the same update.
+
+Chapter: book/parallelism/pipeline-parallel.
 """
 
 from __future__ import annotations

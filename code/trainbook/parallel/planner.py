@@ -41,6 +41,8 @@ What the model leaves out: kernel efficiency that falls as matmuls shrink (small
 large TP), stage imbalance (the head's FLOPs on the last stage), the optimizer step, data loading,
 stragglers and failures, congestion and the network's topology beyond "node or not", overlap of
 TP communication with compute, and FP8. It ranks layouts; it does not predict a run to 10%.
+
+Chapter: book/parallelism/putting-it-together.
 """
 
 from __future__ import annotations

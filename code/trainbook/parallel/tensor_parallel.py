@@ -20,6 +20,8 @@ parameter names, so `full_tensors` can gather the shards for comparison with
 `harness.reference`. Every collective goes through `Comm`, which counts calls and bytes.
 `parallelize_dtensor` does the same with PyTorch's `parallelize_module`; `run_tp` trains either
 and `sweep` runs several variants in one launch.
+
+Chapter: book/parallelism/tensor-parallel.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ Communication per step, in units of the model's size (Psi elements): stages 1 an
 reduce-scatter and an all-gather, 2 Psi, exactly what data parallelism's all-reduce costs; stage 3
 all-gathers twice (forward and backward), 3 Psi. The counters record each collective's full
 (unsharded) size; a ring sends (n - 1) / n of it from every rank (`wire_bytes`).
+
+Chapter: book/parallelism/zero-fsdp.
 """
 
 from __future__ import annotations

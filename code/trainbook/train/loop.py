@@ -5,6 +5,8 @@ clipping, gradient accumulation, optional autocast (bf16, or fp16 with a GradSca
 loss, tokens/s and MFU, and checkpoints that resume bit for bit (model, optimizer, scaler, step,
 RNG, data position), written atomically and loaded with `weights_only=True`. One process on CPU
 or GPU, or several under `torchrun` with DistributedDataParallel.
+
+Chapter: book/start/first-run.
 """
 
 from __future__ import annotations
