@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from trainbook import launch
@@ -13,19 +15,27 @@ def setup_and_ref():
 
 def test_two_ranks_match_single_process(setup_and_ref):
     s, ref = setup_and_ref
-    variants = [dict(kind=k, accumulation=a, bucket_mb=0.05)
-                for k in ("scratch", "ddp") for a in (1, 2)]
-    for r in launch.run(dp.sweep, 2, args=(s, variants), timeout_s=180):
-        for v, out in zip(variants, r.value):
-            d = harness.max_differences(out["trace"], ref)
-            assert d["loss"] < 1e-5 and d["grad"] < 1e-6 and d["param"] < 1e-6, (v, d)  # SGD: exact
+    variants = {f"{k} x{a}": dp.DataParallelRun(kind=k, accumulation=a, bucket_mb=0.05)
+                for k in dp.KINDS for a in (1, 2)}
+    for r in launch.run(harness.sweep, 2, args=(s, variants), timeout_s=180):
+        assert list(r.value) == list(variants)
+        for name, out in r.value.items():
+            assert out.name == name
+            d = harness.max_differences(out.trace, ref)
+            assert d["loss"] < 1e-5 and d["grad"] < 1e-6 and d["param"] < 1e-6, (name, d)  # exact
+        # the first step's collectives, as CommDebugMode sees them: DDP all-reduces in backward
+        assert r.value["ddp x1"].calls["forward_backward"].get("all_reduce", 0) >= 1
+        assert not r.value["ddp x1"].calls["optimizer"]
 
 
 def test_buckets_and_communication_counters(setup_and_ref):
     s, _ = setup_and_ref
     n_params = sum(p.numel() for p in harness.build_model(s).parameters())
-    variants = [dict(bucket_mb=0.05), dict(bucket_mb=100), dict(bucket_mb=0.05, accumulation=4)]
-    small, one, accumulated = launch.run(dp.sweep, 2, args=(s, variants), timeout_s=180)[0].value
+    variants = {"small": dp.DataParallelRun(bucket_mb=0.05),
+                "one": dp.DataParallelRun(bucket_mb=100),
+                "accumulated": dp.DataParallelRun(bucket_mb=0.05, accumulation=4)}
+    out = launch.run(harness.sweep, 2, args=(s, variants), timeout_s=180)[0].value
+    small, one, accumulated = out["small"], out["one"], out["accumulated"]
     assert one["buckets"] == 1 and small["buckets"] > 3
     # Every step all-reduces every gradient exactly once, whatever the bucketing.
     assert small["allreduce_bytes"] == one["allreduce_bytes"] == s.steps * 4 * n_params
@@ -37,8 +47,8 @@ def test_buckets_and_communication_counters(setup_and_ref):
 def test_adamw_and_gpt2_flavour_match_within_fp32_tolerance():
     s = harness.Setup(flavour="gpt2", n_kv_heads=4, optimizer="adamw")
     ref = harness.reference(s)
-    out = launch.run(dp.run_data_parallel, 2, args=(s,), timeout_s=120)[0].value
-    d = harness.max_differences(out["trace"], ref)
+    out = launch.run(harness.run, 2, args=(s, dp.DataParallelRun()), timeout_s=120)[0].value
+    d = harness.max_differences(out.trace, ref)
     assert d["grad"] < 1e-6 and d["param"] < 1e-4, d  # Adam magnifies 1-ulp gradient differences
 
 
@@ -49,8 +59,18 @@ def test_errors():
         harness.Setup(optimizer="lion")
     with pytest.raises(ValueError, match="not divisible by 3 data-parallel ranks"):
         harness.shard(harness.global_batches(harness.Setup())[0], 0, 3)
-    with pytest.raises(RuntimeError, match="kind must be 'scratch' or 'ddp'"):
-        launch.run(dp.run_data_parallel, 2, args=(harness.Setup(),), kwargs=dict(kind="zero"),
+    with pytest.raises(ValueError, match="kind must be 'scratch' or 'ddp'"):
+        dp.DataParallelRun(kind="zero")
+    with pytest.raises(ValueError, match="accumulation must be >= 1"):
+        dp.DataParallelRun(accumulation=0)
+    with pytest.raises(ValueError, match="runs inside a process group"):
+        harness.run(harness.Setup(), dp.DataParallelRun())
+    with pytest.raises(ValueError, match="variants must be a non-empty dict"):
+        harness.sweep(harness.Setup(), [dp.DataParallelRun()])
+    with pytest.raises(ValueError, match="give a Technique or a callable"):
+        harness.sweep(harness.Setup(), {"x": 3})
+    with pytest.raises(RuntimeError, match="do not split into 3 micro-batches"):
+        launch.run(harness.run, 2, args=(harness.Setup(), dp.DataParallelRun(accumulation=3)),
                    timeout_s=60)
 
 
@@ -59,13 +79,14 @@ def test_per_rank_memory_matches_the_estimator():
 
     s = harness.Setup(optimizer="adamw", d_model=128, n_layers=4, d_ff=256, global_batch=8,
                       seq_len=64)
-    per_rank = launch.run(dp.sweep, 2, args=(s, [dict(kind="scratch"), dict(kind="ddp")]),
-                          kwargs=dict(fn=dp.measure_rank_memory), timeout_s=180)
+    variants = {k: dp.DataParallelRun(kind=k, measure_memory=True) for k in dp.KINDS}
+    per_rank = launch.run(harness.sweep, 2, args=(dataclasses.replace(s, steps=1), variants),
+                          timeout_s=180)
     predicted = memory.estimate(memory.MemoryInputs(model=s.model_config(), dtype="fp32",
                                                     optimizer="adamw", dp=2, micro_batch=4,
                                                     seq_len=64)).peak
     grads = 4 * sum(p.numel() for p in harness.build_model(s).parameters())
     for r in per_rank:
-        scratch, ddp = r.value
+        scratch, ddp = r.value["scratch"].memory, r.value["ddp"].memory
         assert abs(predicted / scratch["peak"] - 1) < 0.05
         assert abs((ddp["peak"] - scratch["peak"]) / grads - 1) < 0.05  # DDP's persistent buckets

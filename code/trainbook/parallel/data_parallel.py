@@ -13,8 +13,8 @@ Chapter: book/parallelism/data-parallel.
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,17 +24,19 @@ from . import harness
 
 
 class DataParallel(nn.Module):
-    def __init__(self, module: nn.Module, bucket_mb: float = 25.0):
+    """`module` replicated over the ranks of `group` (default: all ranks)."""
+
+    def __init__(self, module: nn.Module, bucket_mb: float = 25.0, group=None):
         super().__init__()
         if not dist.is_initialized():
             raise ValueError("DataParallel needs a process group: run under torchrun or "
                              "trainbook.launch.run")
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
-        self.module, self.world = module, dist.get_world_size()
+        self.module, self.group, self.world = module, group, dist.get_world_size(group)
         self.sync, self.calls, self.bytes = True, 0, 0  # counters: all-reduce calls and bytes sent
         for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=0)  # every replica starts from rank 0's weights
+            dist.broadcast(t.data, group=group, group_src=0)  # replicas start from the first's
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets: list[list[nn.Parameter]] = [[]]
         size = 0
@@ -73,7 +75,7 @@ class DataParallel(nn.Module):
         self._ready[i] += 1
         if self._ready[i] == len(self.buckets[i]):  # the bucket is complete: reduce it now
             flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
-            self._pending.append((i, flat, dist.all_reduce(flat, async_op=True)))
+            self._pending.append((i, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
             self.calls, self.bytes = self.calls + 1, self.bytes + flat.numel() * flat.element_size()
 
     def _finish(self) -> None:
@@ -87,82 +89,61 @@ class DataParallel(nn.Module):
         self._pending, self._ready, self._queued = [], [0] * len(self.buckets), False
 
 
-def run_data_parallel(setup: harness.Setup, kind: str = "scratch", accumulation: int = 1,
-                      bucket_mb: float = 25.0) -> dict:
-    """Train on this rank's shard of each global batch, wrapped by `kind` ('scratch' or 'ddp').
+KINDS = ("scratch", "ddp")
 
-    With accumulation > 1 each rank splits its shard into micro-batches and syncs only on the
-    last one. Returns the trace, this rank's communication counters (scratch only) and the
-    median seconds per step (the first step, which allocates, left out).
-    """
-    if kind not in ("scratch", "ddp"):
-        raise ValueError(f"kind must be 'scratch' or 'ddp', got {kind!r}")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = harness.build_model(setup)
-    if kind == "scratch":
-        wrapped = DataParallel(model, bucket_mb)
-    else:
-        wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-    opt = harness.make_optimizer(setup, model.parameters())
-    losses, first, times = [], {}, []
-    for step, batch in enumerate(harness.global_batches(setup)):
-        t0 = time.perf_counter()
-        x, y = harness.shard(batch, rank, world)
-        if len(x) % accumulation:
-            raise ValueError(f"{len(x)} sequences per rank do not split into {accumulation} "
-                             "micro-batches")
+
+@dataclass(kw_only=True)
+class DataParallelRun(harness.Technique):
+    """Each rank trains on its shard of every global batch, wrapped by `kind` ('scratch':
+    `DataParallel` above, 'ddp': PyTorch's). With accumulation > 1 the shard is split into
+    micro-batches and only the last one synchronises. Stats (scratch): all-reduce calls and
+    bytes over the run, and the number of buckets."""
+
+    kind: str = "scratch"
+    accumulation: int = 1
+    bucket_mb: float = 25.0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be 'scratch' or 'ddp', got {self.kind!r}")
+        if self.accumulation < 1:
+            raise ValueError(f"accumulation must be >= 1, got {self.accumulation}")
+
+    def build(self, setup: harness.Setup, mesh) -> None:
+        if mesh is None:
+            raise ValueError("data parallelism runs inside a process group: use "
+                             "trainbook.launch.run(harness.sweep, nprocs, ...)")
+        group = mesh["dp"].get_group()
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.inner = harness.build_model(setup)
+        self.model = DataParallel(self.inner, self.bucket_mb, group) if self.kind == "scratch" \
+            else nn.parallel.DistributedDataParallel(self.inner, bucket_cap_mb=self.bucket_mb,
+                                                     process_group=group)
+        self.optimizer = harness.make_optimizer(setup, self.inner.parameters())
+
+    def local_batch(self, x, y):
+        x, y = harness.shard((x, y), self.rank, self.world)
+        if len(x) % self.accumulation:
+            raise ValueError(f"{len(x)} sequences per rank do not split into "
+                             f"{self.accumulation} micro-batches")
+        return x, y
+
+    def forward_backward(self, x, y):
         total = torch.zeros(())
-        for micro, (xm, ym) in enumerate(zip(x.chunk(accumulation), y.chunk(accumulation))):
-            last = micro == accumulation - 1
-            with (wrapped.no_sync() if not last else nullcontext()):
-                _, loss = wrapped(xm, ym)
-                (loss / accumulation).backward()
-            total += loss.detach() / accumulation
-        if step == 0:
-            first = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    trace = harness.Trace(losses, first,
-                          {n: p.detach().clone() for n, p in model.named_parameters()})
-    calls = wrapped.calls if kind == "scratch" else None
-    sent = wrapped.bytes if kind == "scratch" else None
-    return {"trace": trace, "allreduce_calls": calls, "allreduce_bytes": sent,
-            "buckets": len(wrapped.buckets) if kind == "scratch" else None,
-            "step_seconds": sorted(times[1:] or times)[len(times[1:] or times) // 2]}  # median
+        for micro, (xm, ym) in enumerate(zip(x.chunk(self.accumulation),
+                                             y.chunk(self.accumulation), strict=True)):
+            last = micro == self.accumulation - 1
+            with self.model.no_sync() if not last else nullcontext():
+                logits, loss = self.model(xm, ym)
+                (loss / self.accumulation).backward()
+            total += loss.detach() / self.accumulation
+        return logits, total
 
+    def named_parameters(self):
+        return self.inner.named_parameters()
 
-def sweep(setup: harness.Setup, variants: list[dict], fn=None) -> list[dict]:
-    """fn (default run_data_parallel) once per variant (its keyword arguments), in one process
-    group: one launch instead of many, since starting processes costs more than these tiny runs."""
-    return [(fn or run_data_parallel)(setup, **v) for v in variants]
-
-
-def measure_rank_memory(setup: harness.Setup, kind: str = "ddp", bucket_mb: float = 25.0) -> dict:
-    """This rank's peak tensor bytes, by category, for one steady-state step of data parallelism
-    (MemTracker; see trainbook.bench.memory_measure). Every rank holds a full replica.
-
-    kind: 'scratch' or 'ddp'. DDP allocates its gradient buckets once and keeps them: one more
-    copy of the gradients for the whole run (with gradient_as_bucket_view=True the gradients
-    become views into them instead of a second copy; the buckets stay).
-    """
-    from ..bench.memory_measure import tracked_peak
-
-    if kind not in ("scratch", "ddp"):
-        raise ValueError(f"kind must be 'scratch' or 'ddp', got {kind!r}")
-    model = harness.build_model(setup)
-    wrapped = DataParallel(model, bucket_mb) if kind == "scratch" else \
-        nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-    opt = harness.make_optimizer(setup, model.parameters())
-    x, y = harness.shard(harness.global_batches(setup)[0], dist.get_rank(), dist.get_world_size())
-
-    def step(_model, optimizer, xb, yb):
-        logits, loss = wrapped(xb, yb)  # logits stay alive through backward, as in train.train
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        del logits
-
-    return tracked_peak(wrapped, opt, x, y, step=step)
+    def stats(self) -> dict:
+        if self.kind != "scratch":
+            return {}
+        return {"allreduce_calls": self.model.calls, "allreduce_bytes": self.model.bytes,
+                "buckets": len(self.model.buckets)}

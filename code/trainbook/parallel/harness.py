@@ -1,18 +1,31 @@
-"""The yardstick for every parallelism chapter: the same model, batches and optimizer, run in one
-process on the whole global batch. A parallel run is correct when its losses and gradients match
-this reference within fp32 tolerance.
+"""The experiment every parallelism chapter runs, and its yardstick.
+
+A `Setup` fixes the model, the global batches and the optimizer. A `Technique` says how one
+parallel method builds its model and steps it, through a few hooks; `run` is the one loop that
+drives any technique (forward and backward, first-step gradients, optimizer step, the loss
+averaged over ranks, the step time, the collectives of the first step, and optionally the peak
+memory of one more step) and returns a typed `Result`. The base `Technique` is the reference:
+one process, the whole global batch. A parallel run is correct when its losses and gradients
+match the reference's within fp32 tolerance. `sweep` runs named variants in one process group
+and returns their results by name.
 
 Chapter: book/parallelism/data-parallel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import configs
 from ..data import ByteTokenizer, build_dataset
+from ..launch import rank_device
 from ..model import Transformer
 
 
@@ -87,20 +100,235 @@ class Trace:
     final_params: dict[str, torch.Tensor]
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A plain CPU fp32 copy of t, gathered first if it is a DTensor (sharded or partial)."""
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.detach().float().cpu().clone()
+
+
+@dataclass(kw_only=True)
+class Technique:
+    """How one method trains the harness's model: hooks that `run` calls in a fixed order.
+
+    The base class is the reference (one process, the whole global batch, plain autograd);
+    a technique overrides what it changes. `setup` replaces the sweep's setup for this variant;
+    `measure_memory` adds a warm-up and a tracked step of a fresh build after training
+    (`Result.memory`).
+    """
+
+    setup: Setup | None = None
+    measure_memory: bool = False
+    mesh_dim: str = "dp"  # the name of the 1-D mesh over all ranks (`mesh_shape` can add dims)
+
+    def mesh_shape(self, world: int) -> dict[str, int]:
+        """Named mesh dimensions over the `world` ranks; each technique takes its groups here."""
+        return {self.mesh_dim: world}
+
+    def build(self, setup: Setup, mesh) -> None:
+        """Make `self.model` (what a step calls) and `self.optimizer`; mesh is None alone."""
+        self.model = build_model(setup)
+        self.optimizer = make_optimizer(setup, self.model.parameters())
+
+    def local_batch(self, x: torch.Tensor, y: torch.Tensor):
+        """This rank's part of a global batch (default: all of it)."""
+        return x, y
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor):
+        """Forward and backward on this rank's batch: (logits or None, the rank's loss detached).
+        The logits are returned so that a step keeps them alive until the optimizer has run,
+        as a training loop does (it matters for the memory peak)."""
+        logits, loss = self.model(x, y)
+        loss.backward()
+        return logits, loss.detach()
+
+    def named_parameters(self):
+        """(reference name, parameter) pairs, possibly sharded (DTensor)."""
+        return self.model.named_parameters()
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Full gradients under the reference's names (read after the first backward)."""
+        return {n: full_tensor(p.grad) for n, p in self.named_parameters()}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """Full parameters under the reference's names (read after the last step)."""
+        return {n: full_tensor(p) for n, p in self.named_parameters()}
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """The global batch's loss: the mean of the ranks' losses (ranks hold equal shares)."""
+        loss = full_tensor(loss)
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        return loss.item()
+
+    def stats(self) -> dict[str, Any]:
+        """What the technique counted over the run (bytes, calls, buckets, ...), by name."""
+        return {}
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One whole step, for the memory tracker: the logits live until the optimizer ran."""
+        logits, _ = self.forward_backward(x, y)
+        self.optimizer_step()
+        del logits
+
+
+@dataclass
+class Result:
+    """What one run of a technique gives a chapter, read by name.
+
+    `calls` and `bytes` count the collectives of the first step (`CommCounter`), per phase
+    ("forward_backward", "optimizer"), as {op: value}; `memory` holds the peak tensor bytes by
+    category of one steady-state step (`bench.memory_measure.tracked_peak`), when asked.
+    """
+
+    name: str
+    trace: Trace
+    step_seconds: float  # median over the steps after the first
+    calls: dict[str, dict[str, int]]
+    bytes: dict[str, dict[str, int]]
+    stats: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, int] | None = None
+
+    def __getitem__(self, key: str):
+        """`result["bytes"]` reads a stat by name."""
+        return self.stats[key]
+
+
+def _mesh(technique: Technique):
+    if not dist.is_initialized():
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = technique.mesh_shape(dist.get_world_size())
+    # an explicit device: the default mesh follows the accelerator, not the process group
+    return init_device_mesh(rank_device().type, tuple(shape.values()),
+                            mesh_dim_names=tuple(shape))
+
+
+class CommCounter(TorchDispatchMode):
+    """Calls and bytes of every collective that passes through the dispatcher, whoever calls it:
+    c10d ops (`dist.all_reduce`, DDP's reducer, FSDP2, pipelining's send/recv) and functional
+    collectives (DTensor's redistributions, `_functional_collectives`).
+
+    Bytes are those of the full tensor a collective works on: the all-reduce buffer, the
+    all-gather's output, the reduce-scatter's input, the all-to-all's input, a point-to-point
+    message. `bench.collectives.bus_factor` turns them into what each rank sends.
+    """
+
+    C10D = {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
+            "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+            "_allgather_base_": "all_gather", "allgather_": "all_gather",
+            "allgather_into_tensor_coalesced_": "all_gather", "broadcast_": "broadcast",
+            "alltoall_base_": "all_to_all", "send": "send", "recv_": "recv"}
+    FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
+                  "all_gather_into_tensor": "all_gather",
+                  "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
+                  "broadcast": "broadcast", "broadcast_": "broadcast"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    @staticmethod
+    def _nbytes(t) -> int:
+        t = t[0] if isinstance(t, list | tuple) else t
+        t = t[0] if isinstance(t, list | tuple) else t
+        return t.numel() * t.element_size()
+
+    def _full_bytes(self, namespace: str, name: str, op: str, args) -> int:
+        if namespace == "c10d":
+            if name == "allgather_":  # (list of outputs per input, inputs, ...)
+                return self._nbytes(args[1]) * len(args[0][0])
+            full = args[1] if op in ("reduce_scatter", "all_to_all") else args[0]
+            return self._nbytes(full)
+        if op == "all_gather":  # (input, group_size, group_name)
+            return self._nbytes(args[0]) * args[1]
+        return self._nbytes(args[0])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, name = func.namespace, func.overloadpacket.__name__
+        table = self.C10D if namespace == "c10d" else \
+            self.FUNCTIONAL if namespace == "_c10d_functional" else {}
+        op = table.get(name)
+        if op:
+            self.calls[op] = self.calls.get(op, 0) + 1
+            self.bytes[op] = self.bytes.get(op, 0) + self._full_bytes(namespace, name, op, args)
+        return func(*args, **(kwargs or {}))
+
+
+def run(setup: Setup, technique: Technique | None = None, name: str = "") -> Result:
+    """Train `setup.steps` steps with `technique` (default: the reference); one `Result`.
+
+    The order is the same for every technique: local batch, forward and backward, (first step:
+    full gradients), optimizer step, loss averaged over ranks. The first step's collectives are
+    counted per phase; its time is left out of the median, since it allocates.
+    """
+    technique = technique or Technique()
+    device = rank_device() if dist.is_initialized() else torch.device("cpu")
+    mesh = _mesh(technique)
+    technique.build(setup, mesh)
+    losses, first, times, seen = [], {}, [], {}
+    for step, batch in enumerate(global_batches(setup)):
+        x, y = (t.to(device) for t in technique.local_batch(*batch))
+        t0 = time.perf_counter()
+        if step == 0:
+            with CommCounter() as fb:
+                _, loss = technique.forward_backward(x, y)
+            first = technique.gradients()
+            with CommCounter() as opt:
+                technique.optimizer_step()
+            seen = {"forward_backward": fb, "optimizer": opt}
+        else:
+            _, loss = technique.forward_backward(x, y)
+            technique.optimizer_step()
+        times.append(time.perf_counter() - t0)
+        losses.append(technique.global_loss(loss))
+    later = sorted(times[1:] or times)
+    result = Result(name or type(technique).__name__, Trace(losses, first, technique.parameters()),
+                    later[len(later) // 2], {k: c.calls for k, c in seen.items()},
+                    {k: c.bytes for k, c in seen.items()}, technique.stats())
+    if technique.measure_memory:
+        from ..bench.memory_measure import tracked_peak
+
+        # a fresh build: a wrapper's buffers made in earlier steps (DDP's buckets, rebuilt after
+        # its first iteration) would be invisible to a tracker started later
+        technique.build(setup, mesh)
+        x, y = (t.to(device) for t in technique.local_batch(*global_batches(setup)[0]))
+        result.memory = tracked_peak(technique.model, technique.optimizer, x, y,
+                                     step=lambda _m, _o, xb, yb: technique.train_step(xb, yb))
+    return result
+
+
 def reference(setup: Setup) -> Trace:
     """Single-process training on the whole global batch: what every parallel run must match."""
-    model = build_model(setup)
-    opt = make_optimizer(setup, model.parameters())
-    losses, first = [], {}
-    for step, (x, y) in enumerate(global_batches(setup)):
-        _, loss = model(x, y)
-        loss.backward()
-        if step == 0:
-            first = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return Trace(losses, first, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return run(setup).trace
+
+
+Variant = Technique | Callable[[Setup], Any]
+
+
+def sweep(setup: Setup, variants: dict[str, Variant]) -> dict[str, Any]:
+    """Every variant in one process group (one launch instead of many: starting processes costs
+    more than these tiny runs), results by the variant's name. A `Technique` runs through `run`
+    (on its own `setup` if it has one); any other callable is a measurement, called with the
+    setup, that shares the group."""
+    if not isinstance(variants, dict) or not variants:
+        raise ValueError("variants must be a non-empty dict {name: Technique or callable}")
+    out = {}
+    for name, variant in variants.items():
+        if isinstance(variant, Technique):
+            out[name] = run(variant.setup or setup, variant, name)
+        elif callable(variant):
+            out[name] = variant(setup)
+        else:
+            raise ValueError(f"variant {name!r} is a {type(variant).__name__}; give a Technique "
+                             "or a callable taking the setup")
+    return out
 
 
 def max_differences(trace: Trace, ref: Trace) -> dict[str, float]:
