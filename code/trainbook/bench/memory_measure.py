@@ -92,14 +92,10 @@ def measure_step(cfg: ModelConfig, micro_batch: int, seq_len: int, recompute: st
     return tracked_peak(model, optimizer, *_batch(cfg, micro_batch, seq_len, seed))
 
 
-def measure_fsdp_rank(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: int = 0,
-                      mesh=None) -> dict:
-    """One rank's peak tensor bytes under FSDP2 (call through `launch.run`; each rank gets its
-    own micro-batch of `micro_batch` sequences). Sharded parameters count as weights.
-
-    `mesh` is the DeviceMesh to shard over: by default a 1-D mesh of all ranks on this rank's
-    device (`launch.rank_device()`: the CPU under gloo); a 2-D ("replicate", "shard") mesh gives
-    HSDP (`parallel.mesh.measure_hsdp_rank`)."""
+def measure_fsdp_rank(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: int = 0) -> dict:
+    """One rank's peak tensor bytes under FSDP2 over all ranks (call through `launch.run`; each
+    rank gets its own micro-batch of `micro_batch` sequences). Sharded parameters count as
+    weights. (Other layouts: `parallel.mesh.ComposedRun(measure_memory=True)`.)"""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -110,8 +106,8 @@ def measure_fsdp_rank(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: in
         raise ValueError("measure_fsdp_rank runs inside a process group: use "
                          "trainbook.launch.run(measure_fsdp_rank, nprocs, args=...)")
     device = rank_device()
-    if mesh is None:  # explicit: the default mesh follows the accelerator, not the process group
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    # an explicit device: the default mesh follows the accelerator, not the process group
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     torch.manual_seed(seed)
     model = Transformer(cfg).to(device)
     for block in model.blocks:
