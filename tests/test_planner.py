@@ -6,7 +6,9 @@ from hypothesis import strategies as st
 
 from trainbook import configs
 from trainbook.__main__ import main
+from trainbook.layout import stage_layers
 from trainbook.parallel import planner as P
+from trainbook.parallel import step_cost as C
 
 L3 = P.LLAMA3_405B
 
@@ -62,9 +64,9 @@ def test_explanations_name_the_rule(llama3):
 
 
 def test_uneven_stages():
-    assert P.stage_layers(126, 16) == 8  # Llama 3: first and last stages one block short
-    assert P.stage_layers(126, 5) is None and P.stage_layers(128, 16) == 8
-    assert P.stage_layers(126, 128) is None  # stages of one block minus two: no
+    assert stage_layers(126, 16) == 8  # Llama 3: first and last stages one block short
+    assert stage_layers(126, 5) is None and stage_layers(128, 16) == 8
+    assert stage_layers(126, 128) is None  # stages of one block minus two: no
 
 
 @settings(deadline=None, max_examples=25)
@@ -79,7 +81,7 @@ def test_every_enumerated_layout_obeys_the_rules(gpus, model, seqs):
         assert lay.dp * lay.tp * lay.pp * lay.cp == gpus
         assert lay.tp <= 8 and cfg.n_heads % lay.tp == 0 and cfg.kv_heads % lay.tp == 0
         assert cfg.ffn_dim % lay.tp == 0 and 1024 % lay.cp == 0
-        assert P.stage_layers(cfg.n_layers, lay.pp * lay.interleave) is not None
+        assert stage_layers(cfg.n_layers, lay.pp * lay.interleave) is not None
         assert cfg.n_experts % lay.ep == 0 and lay.dp % lay.ep == 0
         m, rest = divmod(seqs, lay.dp * lay.micro_batch)
         assert rest == 0 and (lay.pp == 1 or m >= lay.pp)
@@ -88,17 +90,17 @@ def test_every_enumerated_layout_obeys_the_rules(gpus, model, seqs):
 def test_time_model_responds_to_its_assumptions(llama3):
     job, cluster, _ = llama3
     lay = P.Layout(128, 8, 16, 1, 1, 2, 1, "full", 2)
-    base = P.step_time(lay, job, cluster)
+    base = C.step_time(lay, job, cluster)
     assert base["total"] == pytest.approx(sum(base[k] for k in (
         "compute", "tp", "cp", "ep", "pp_p2p", "bubble", "dp_exposed")))
     # the bubble is (p - 1) / v stage-times
     stage = (base["total"] - base["bubble"] - base["dp_exposed"]) / 16
     assert base["bubble"] == pytest.approx(15 / 2 * stage)
-    faster = P.step_time(lay, job, P.Cluster(gpus=16384, mfu_matmul=0.6))
+    faster = C.step_time(lay, job, P.Cluster(gpus=16384, mfu_matmul=0.6))
     assert faster["compute"] == pytest.approx(base["compute"] * 0.5 / 0.6)
     slow_net = P.Cluster(gpus=16384, nic_gbps=5.0)
-    assert P.step_time(P.Layout(2048, 8, 1, 1, 1, 3, 1, "full"), job, slow_net)["dp_exposed"] > \
-        P.step_time(P.Layout(2048, 8, 1, 1, 1, 3, 1, "full"), job, cluster)["dp_exposed"]
+    assert C.step_time(P.Layout(2048, 8, 1, 1, 1, 3, 1, "full"), job, slow_net)["dp_exposed"] > \
+        C.step_time(P.Layout(2048, 8, 1, 1, 1, 3, 1, "full"), job, cluster)["dp_exposed"]
 
 
 def test_bad_input():
@@ -150,17 +152,17 @@ def test_dtypes_map_to_honest_peaks():
         P.Job(cfg, 1024 * 4096, 4096, dtype="fp8")
     h100, v100 = P.Cluster(gpus=64), P.Cluster(gpu="v100-sxm2-32gb", gpus=64)
     fp32, bf16 = P.Job(cfg, 1024 * 4096, 4096, dtype="fp32"), P.Job(cfg, 1024 * 4096, 4096)
-    assert P.matmul_dtype(fp32, h100) == "tf32" and P.matmul_dtype(bf16, h100) == "bf16"
-    assert P.matmul_dtype(fp32, v100) == "fp32"  # no TF32 before Ampere
-    assert P.peak_flops(fp32, h100) == hardware.get("h100-sxm").peak_flops("tf32")
+    assert C.matmul_dtype(fp32, h100) == "tf32" and C.matmul_dtype(bf16, h100) == "bf16"
+    assert C.matmul_dtype(fp32, v100) == "fp32"  # no TF32 before Ampere
+    assert C.peak_flops(fp32, h100) == hardware.get("h100-sxm").peak_flops("tf32")
     lay = P.Layout(dp=8, tp=8, zero=1, recompute="full")
     plan = P.evaluate(lay, fp32, h100)
     model_flops = flops.training_flops(cfg, 4096)["total"] * fp32.sequences
     assert plan.mfu == pytest.approx(
-        flops.utilization(model_flops, plan.step_s, P.peak_flops(fp32, h100), 64))
+        flops.utilization(model_flops, plan.step_s, C.peak_flops(fp32, h100), 64))
     # fp32 moves twice the bytes of bf16 on the wire (the latency term stays), and computes at
     # the TF32 peak, half the bf16 one
-    assert P.step_time(lay, bf16, h100)["tp"] < P.step_time(lay, fp32, h100)["tp"] < \
-        2 * P.step_time(lay, bf16, h100)["tp"]
-    assert P.step_time(lay, fp32, h100)["compute"] == pytest.approx(
-        2 * P.step_time(lay, bf16, h100)["compute"])
+    assert C.step_time(lay, bf16, h100)["tp"] < C.step_time(lay, fp32, h100)["tp"] < \
+        2 * C.step_time(lay, bf16, h100)["tp"]
+    assert C.step_time(lay, fp32, h100)["compute"] == pytest.approx(
+        2 * C.step_time(lay, bf16, h100)["compute"])
