@@ -6,8 +6,9 @@ from hypothesis import strategies as st
 
 from trainbook import hardware
 from trainbook.__main__ import main
-from trainbook.bench import matmul, memory
+from trainbook.bench import matmul, memory, timing
 from trainbook.compute import roofline
+from trainbook.launch import resolve_device
 
 SMALL = dict(repeats=3, warmup=1, flush_bytes=2**20, progress=False)
 
@@ -37,9 +38,9 @@ def test_dtypes_a_cpu_cannot_do_are_refused():
         matmul.check_dtype("int3", cpu)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no GPU is visible"):
-            matmul.resolve_device("cuda")
+            resolve_device("cuda")
     with pytest.raises(ValueError, match="unknown device"):
-        matmul.resolve_device("tpu9")
+        resolve_device("tpu9")
 
 
 def test_sweep_stats_are_consistent_and_written_as_they_go(tmp_path):
@@ -104,15 +105,15 @@ def test_interrupt_prints_a_summary_from_the_command(monkeypatch, capsys):
 
 
 def test_timer_and_flusher_on_cpu():
-    timer = matmul.Timer(torch.device("cpu"))
+    timer = timing.Timer(torch.device("cpu"))
     assert timer(lambda: sum(range(1000))) > 0
-    flush = matmul.CacheFlusher(torch.device("cpu"), 2**20)
+    flush = timing.CacheFlusher(torch.device("cpu"), 2**20)
     flush()
     assert flush.buffer.numel() == 2**20 and int(flush.buffer.max()) == 0
     with pytest.raises(ValueError, match="flush size"):
-        matmul.CacheFlusher(torch.device("cpu"), -1)
-    assert matmul.default_flush_bytes(torch.device("cpu"), small=True) == 32 * 2**20
-    assert 0 < matmul.default_flush_bytes(torch.device("cpu")) <= matmul.CPU_FLUSH_CAP
+        timing.CacheFlusher(torch.device("cpu"), -1)
+    assert timing.default_flush_bytes(torch.device("cpu"), small=True) == 32 * 2**20
+    assert 0 < timing.default_flush_bytes(torch.device("cpu")) <= timing.CPU_FLUSH_CAP
 
 
 def test_bf16_matmul_is_what_a_bf16_sweep_times(monkeypatch):

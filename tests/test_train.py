@@ -98,7 +98,7 @@ def test_model_config_overrides(cache_dir):
     (dict(dtype="fp8"), "dtype must be fp32, bf16 or fp16"),
     (dict(lr=-1.0), "need lr > 0"),
     (dict(resume=True), "need ckpt_dir"),
-    (dict(device="tpu"), "device must be auto, cpu or cuda"),
+    (dict(device="tpu"), "unknown device 'tpu': device must be auto, cpu, cuda or cuda:N"),
     (dict(model="llama-9"), "unknown model 'llama-9'"),
     (dict(n_heads=3), "not divisible by 3 heads"),
     (dict(eval_every=-1), "eval_every must be >= 0"),

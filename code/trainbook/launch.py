@@ -58,6 +58,26 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
+    """The one reading of a --device option: 'auto' is cuda when a GPU (NVIDIA or ROCm, which
+    PyTorch calls cuda) is visible, else cpu; a bare 'cuda' is this process's GPU, cuda:LOCAL_RANK
+    under torchrun."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}: device must be auto, cpu, cuda or "
+                         "cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}: device must be auto, cpu, cuda or cuda:N "
+                         "(ROCm GPUs are cuda in PyTorch)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but no GPU is visible "
+                         "(torch.cuda.is_available() is False); use --device cpu")
+    return torch.device("cuda", local_rank) if dev.type == "cuda" and dev.index is None else dev
+
+
 def _worker(rank, world_size, port, backend, timeout_s, fn, args, kwargs, results):
     import torch.distributed as dist
 

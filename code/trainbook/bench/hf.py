@@ -26,8 +26,9 @@ import torch
 
 from .. import configs
 from ..configs import ModelConfig
+from ..launch import resolve_device
 from ..model import Transformer, count_parameters
-from . import matmul
+from .timing import Timer
 
 # The library facts the equivalence rests on; tests/test_bench_hf.py asserts each against the
 # installed transformers, so an upgrade that changes one fails a test instead of a benchmark.
@@ -192,7 +193,7 @@ def check_inputs(cfg: ModelConfig, batch: int, seq_len: int, steps: int, repeats
                          f"{cfg.max_seq_len}; use a shorter sequence")
     check_supported(cfg)
     require_transformers()
-    return matmul.resolve_device(str(device))
+    return resolve_device(str(device))
 
 
 def precision(device: torch.device) -> str:
@@ -261,7 +262,7 @@ def train_speed(cfg: ModelConfig | str, batch: int = DEFAULTS["batch"],
 
     runners = {"ours": stepper(ours, lambda: ours(x, y)[1]),
                "hf": stepper(hf, lambda: hf(input_ids=x, labels=x).loss)}
-    timer = matmul.Timer(dev)
+    timer = Timer(dev)
     samples: dict[str, list[float]] = {k: [] for k in runners}
     for run_steps in runners.values():
         run_steps(warmup)

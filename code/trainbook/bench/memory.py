@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .matmul import Timer, resolve_device
+from ..launch import resolve_device
+from .timing import Timer
 
 
 def copy_bandwidth_gbps(nbytes: int = 256 * 2**20, device: str = "auto", repeats: int = 5) -> float:

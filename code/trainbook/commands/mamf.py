@@ -12,6 +12,8 @@ Chapter: book/compute/throughput.
 import json
 
 from ..bench import matmul
+from ..bench.timing import default_flush_bytes
+from ..launch import resolve_device
 from ..report import table
 from ._args import command_line
 
@@ -65,14 +67,14 @@ def run(args) -> int:
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     shapes = matmul.make_shapes(*(_values(args, d) for d in "mnk"))
-    device = matmul.resolve_device(args.device)
+    device = resolve_device(args.device)
     gpu = device.type == "cuda"
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 50 if gpu else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10 if gpu else 2)
     if args.flush_mib is not None and args.flush_mib < 0:
         raise ValueError(f"--flush-mib must be >= 0, got {args.flush_mib}")
     flush = (int(args.flush_mib * 2**20) if args.flush_mib is not None
-             else matmul.default_flush_bytes(device, small=args.quick))
+             else default_flush_bytes(device, small=args.quick))
     if args.budget is not None and args.budget <= 0:
         raise ValueError(f"--budget must be > 0 seconds, got {args.budget}")
     command = command_line(args)

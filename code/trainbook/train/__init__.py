@@ -19,11 +19,10 @@ from .loop import (
                    lr_at,
                    make_optimizer,
                    peak_dtype,
-                   resolve_device,
                    train,
 )
 
 __all__ = ["Distributed", "TrainConfig", "TrainResult", "checkpoint_path", "config_fields",
            "evaluate", "generate_text", "init_distributed", "latest_checkpoint", "layout_for",
            "load_checkpoint", "lr_at", "make_optimizer", "model_config", "peak_dtype",
-           "read_layout", "resolve_device", "save_checkpoint", "train"]
+           "read_layout", "save_checkpoint", "train"]

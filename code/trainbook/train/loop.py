@@ -27,6 +27,7 @@ from .. import configs
 from ..bench import peak as peak_of
 from ..compute.flops import training_flops_per_token, utilization
 from ..data import ShardedLoader, build_dataset, make_tokenizer
+from ..launch import resolve_device
 from ..layout import Layout
 from ..model import Transformer
 from .checkpoint import (
@@ -90,20 +91,6 @@ def init_distributed(device_type: str, timeout_s: int) -> Distributed:
     return Distributed(dist.get_rank(), dist.get_world_size(), local_rank)
 
 
-def resolve_device(name: str, ddp: Distributed) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if name != "cuda" and not name.removeprefix("cuda:").isdigit():
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
-        if not torch.cuda.is_available():
-            raise ValueError("device 'cuda' asked for, but torch.cuda.is_available() is False")
-        return torch.device("cuda", ddp.local_rank if name == "cuda" else int(name[5:]))
-    if name != "cpu":
-        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
-    return torch.device("cpu")
-
-
 def peak_dtype(cfg: TrainConfig, device: torch.device) -> str:
     """The dtype whose peak MFU is measured against: the autocast dtype, or tf32 for fp32 on
     GPUs with it on."""
@@ -138,7 +125,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     """Train the reference model as configured; returns history and model (see TrainResult)."""
     gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     ddp = init_distributed("cuda" if gpu else "cpu", cfg.timeout_s)
-    device = resolve_device(cfg.device, ddp)
+    device = resolve_device(cfg.device, ddp.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     log = print if ddp.is_main else (lambda *a, **k: None)
