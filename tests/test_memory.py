@@ -146,11 +146,11 @@ def test_recompute_shrinks_activations():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(tp=3), "--tp 3 does not divide 32 heads"),
-    (dict(pp=5), "--pp 5 does not divide 32 layers"),
+    (dict(tp=3), "tp 3 does not divide 32 heads"),
+    (dict(pp=5), "pp 5 does not divide 32 layers"),
     (dict(zero=3), "--zero 3 .* needs --dp > 1"),
     (dict(dp=8, ep=2), "needs a mixture-of-experts model"),
-    (dict(cp=3, seq_len=4096), "--cp 3 does not divide the sequence length 4096"),
+    (dict(cp=3, seq_len=4096), "cp 3 does not divide the sequence length 4096"),
     (dict(dtype="fp64"), "dtype 'fp64' is unknown"),
     (dict(micro_batch=0), "--micro-batch must be a positive integer"),
 ])
@@ -212,8 +212,8 @@ def test_cli_table_and_json(capsys):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--model", "llama-3-8b", "--tp", "3"], "--tp 3 does not divide 32 heads"),
-    (["--model", "llama-3-8b", "--pp", "5"], "--pp 5 does not divide 32 layers"),
+    (["--model", "llama-3-8b", "--tp", "3"], "tp 3 does not divide 32 heads"),
+    (["--model", "llama-3-8b", "--pp", "5"], "pp 5 does not divide 32 layers"),
     (["--params", "1e9", "--zero", "3"], "needs --dp > 1"),
     (["--params", "-5"], "--params must be a positive whole number"),
     (["--params", "1e9", "--gpu", "a9000"], "unknown accelerator"),

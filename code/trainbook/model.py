@@ -78,12 +78,11 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, n_heads * hd) -> (B, T, d)
 
     def core(self, q, k, v):
-        """Causal attention on (batch, heads, time, head_dim); context parallelism replaces it."""
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: a kv head serves a group of q heads
-            group = q.shape[1] // k.shape[1]
-            # (B, H, T, hd) each: full-size copies
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        """Causal attention on (batch, heads, time, head_dim); context parallelism replaces it.
+        Grouped-query attention (a kv head serves a group of q heads) goes to SDPA as it is
+        (`enable_gqa`): no full-size copies of k and v, the same numbers."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 from .. import hardware
 from ..configs import ModelConfig, param_counts
+from ..layout import Layout, check_layout
 from .roofline import bytes_per_element
 
 GiB = 2**30
@@ -101,14 +102,15 @@ def reference_layer_bytes(cfg: ModelConfig, b: int, s: int, dtype: str = "fp32",
     Counted from `trainbook.model` (llama flavour; per token): each RMSNorm keeps its input, the
     normalized x and the weighted output (3d; in 16 bits the fp32 copy replaces the input);
     attention keeps the rotated q, the attention output and its reshaped copy (3 x heads x
-    head_dim), k and v after the GQA repeat (full-size copies: 2 x heads x head_dim) and an fp32
-    log-sum-exp per head; SwiGLU keeps gate, silu(gate), up and their product (4 d_ff). The gpt2
-    flavour keeps input and output of each LayerNorm, q/k/v, the attention output and its copy, and
-    the GELU input and output. Tensor parallelism divides the head and d_ff dimensions; with
-    sequence parallelism also the norms' tensors. Context parallelism divides the sequence, except
-    the all-gathered k and v. "full" recompute keeps the block input; "selective" recomputes the
-    attention core (RoPE, repeat, attention) and keeps the linear layers' inputs: a model that is
-    not checked by measurement here. Mixture-of-experts MLPs are approximated (top_k copies).
+    head_dim), the rotated k and v (2 x kv heads x head_dim: SDPA takes grouped-query attention as
+    it is, no repeated copies) and an fp32 log-sum-exp per head; SwiGLU keeps gate, silu(gate), up
+    and their product (4 d_ff). The gpt2 flavour keeps input and output of each LayerNorm, q/k/v,
+    the attention output and its copy, and the GELU input and output. Tensor parallelism divides the
+    head and d_ff dimensions; with sequence parallelism also the norms' tensors. Context parallelism
+    divides the sequence, except the all-gathered k and v. "full" recompute keeps the block input;
+    "selective" recomputes the attention core (RoPE, attention) and keeps the linear layers' inputs:
+    a model that is not checked by measurement here. Mixture-of-experts MLPs are approximated (top_k
+    copies).
     """
     recompute = _check_choice(recompute, RECOMPUTE, "recompute")
     e = bytes_per_element(_check_choice(dtype, PRECISIONS, "dtype"))
@@ -124,9 +126,8 @@ def reference_layer_bytes(cfg: ModelConfig, b: int, s: int, dtype: str = "fp32",
         if recompute == "selective":
             attn = 4 * h * hd * e  # q, k, v and the output projection's input
         return tok * (norms + attn + 2 * ff / tp * e)  # GELU input and output
-    kv_saved = h if kv != h else kv  # repeat_interleave makes full-size copies
     norms = 2 * (3 * d * e if e == 4 else (4 + 2 + 2) * d) / norm_div
-    attn = (3 * h * hd + 2 * kv_saved * hd * cp) * e + h * 4  # + fp32 log-sum-exp
+    attn = (3 * h * hd + 2 * kv * hd * cp) * e + h * 4  # + fp32 log-sum-exp
     if recompute == "selective":
         attn = (2 * h + 2 * kv) * hd * e  # q, k, v and the output projection's input
     if cfg.is_moe:  # approximate: each token's top_k expert inputs, SwiGLU tensors and outputs
@@ -202,34 +203,21 @@ class MemoryInputs:
         _check_choice(self.recompute, RECOMPUTE, "recompute")
         _check_choice(self.activations, ACTIVATION_MODELS, "activations")
         _check_zero(self.dp, self.zero)
-        if self.interleave > 1 and self.pp == 1:
-            raise ValueError(f"interleave {self.interleave} needs pipeline parallelism (--pp > 1)")
-        if self.ep > 1 and self.dp % self.ep:
-            raise ValueError(f"--ep {self.ep} does not divide --dp {self.dp}; expert-parallel "
-                             "ranks are carved out of the data-parallel ranks")
         cfg = self.model
         if cfg is None:
             if self.ep > 1:
                 raise ValueError(f"--ep {self.ep} needs a mixture-of-experts model config, "
                                  "not a bare parameter count")
             return
-        if cfg.n_heads % self.tp or cfg.kv_heads % self.tp:
-            bad = cfg.n_heads if cfg.n_heads % self.tp else cfg.kv_heads
-            what = "heads" if cfg.n_heads % self.tp else "key/value heads"
-            raise ValueError(f"--tp {self.tp} does not divide {bad} {what}; pick a divisor")
-        if cfg.ffn_dim % self.tp:
-            raise ValueError(f"--tp {self.tp} does not divide the MLP size {cfg.ffn_dim}")
-        if cfg.n_layers % (self.pp * self.interleave):
-            each = f" into {self.interleave} virtual stages each" if self.interleave > 1 else ""
-            raise ValueError(f"--pp {self.pp} does not divide {cfg.n_layers} layers{each}")
-        if self.ep > 1 and not cfg.is_moe:
-            raise ValueError(f"--ep {self.ep} needs a mixture-of-experts model; "
-                             f"{cfg.name} is dense")
-        if cfg.n_experts % self.ep:
-            raise ValueError(f"--ep {self.ep} does not divide {cfg.n_experts} experts")
-        if self.tokens_seq % self.cp:
-            raise ValueError(f"--cp {self.cp} does not divide the sequence length "
-                             f"{self.tokens_seq}")
+        # the model's rules are the layout's, shared with the planner and the trainer
+        check_layout(Layout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                            zero=self.zero, micro_batch=self.micro_batch,
+                            recompute=self.recompute, interleave=self.interleave),
+                     cfg, self.tokens_seq)
+        if cfg.n_layers % (self.pp * self.interleave):  # stricter than the layout's rule
+            raise ValueError(f"the estimator costs equal pipeline stages: pp {self.pp} x "
+                             f"interleave {self.interleave} must divide {cfg.n_layers} layers "
+                             "(uneven stages: parallel.step_cost.memory_per_rank)")
 
     @property
     def tokens_seq(self) -> int:

@@ -102,6 +102,7 @@ class DataParallelRun(harness.Technique):
     kind: str = "scratch"
     accumulation: int = 1
     bucket_mb: float = 25.0
+    mesh_dim: str = "dp"
 
     def __post_init__(self):
         if self.kind not in KINDS:

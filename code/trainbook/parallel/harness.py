@@ -118,11 +118,12 @@ class Technique:
 
     setup: Setup | None = None
     measure_memory: bool = False
-    mesh_dim: str = "dp"  # the name of the 1-D mesh over all ranks (`mesh_shape` can add dims)
+    mesh_dim: str | None = None  # the name of a 1-D mesh over all ranks; None: one process
 
     def mesh_shape(self, world: int) -> dict[str, int]:
-        """Named mesh dimensions over the `world` ranks; each technique takes its groups here."""
-        return {self.mesh_dim: world}
+        """Named mesh dimensions over the `world` ranks (empty: this process alone, no
+        collectives, even inside a process group); each technique takes its groups here."""
+        return {} if self.mesh_dim is None else {self.mesh_dim: world}
 
     def build(self, setup: Setup, mesh) -> None:
         """Make `self.model` (what a step calls) and `self.optimizer`; mesh is None alone."""
@@ -158,11 +159,12 @@ class Technique:
         self.optimizer.zero_grad(set_to_none=True)
 
     def global_loss(self, loss: torch.Tensor) -> float:
-        """The global batch's loss: the mean of the ranks' losses (ranks hold equal shares)."""
+        """The global batch's loss: the mean over the mesh's ranks (they hold equal shares)."""
         loss = full_tensor(loss)
-        if dist.is_initialized():
-            dist.all_reduce(loss)
-            loss /= dist.get_world_size()
+        if self.mesh is not None:
+            group = self.mesh.get_group() if self.mesh.ndim == 1 else None  # None: the mesh's
+            dist.all_reduce(loss, group=group)  # ranks are all ranks
+            loss /= self.mesh.size()
         return loss.item()
 
     def stats(self) -> dict[str, Any]:
@@ -204,6 +206,8 @@ def _mesh(technique: Technique):
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = technique.mesh_shape(dist.get_world_size())
+    if not shape:
+        return None
     # an explicit device: the default mesh follows the accelerator, not the process group
     return init_device_mesh(rank_device().type, tuple(shape.values()),
                             mesh_dim_names=tuple(shape))
@@ -269,8 +273,8 @@ def run(setup: Setup, technique: Technique | None = None, name: str = "") -> Res
     counted per phase; its time is left out of the median, since it allocates.
     """
     technique = technique or Technique()
-    device = rank_device() if dist.is_initialized() else torch.device("cpu")
-    mesh = _mesh(technique)
+    technique.mesh = mesh = _mesh(technique)
+    device = rank_device() if mesh is not None else torch.device("cpu")
     technique.build(setup, mesh)
     losses, first, times, seen = [], {}, [], {}
     for step, batch in enumerate(global_batches(setup)):

@@ -130,8 +130,8 @@ class Job:
 def memory_inputs(layout: Layout, job: Job) -> memory.MemoryInputs:
     """The estimator's inputs for a layout.
 
-    Activations: "reference" counts the tensors the book's reference model saves (full-size
-    GQA copies of K and V, fp32 norm copies). "flash" is Korthikanti et al. 2022, Table 2
+    Activations: "reference" counts the tensors the book's reference model saves (fp32 norm
+    copies among them). "flash" is Korthikanti et al. 2022, Table 2
     without the attention-score term: what a production model with fused (flash) attention
     stores, which is their "selective" row; its backward recomputes the scores inside the
     kernel at no cost FLOP counts see, so "none" and "selective" store the same there.
