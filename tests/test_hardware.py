@@ -76,3 +76,20 @@ def test_ridge_point():
     assert h100.ridge_point("bf16") == pytest.approx(989.4e12 / 3350e9)
     with pytest.raises(ValueError, match="no memory bandwidth"):
         peak.cpu_spec().ridge_point("fp32")
+
+
+def test_fabric_busbw_is_measured_where_listed_and_assumed_elsewhere():
+    h100, b200 = hardware.get("h100-sxm"), hardware.get("b200")
+    # nccl-tests on 8 H100 SXM: all-reduce (NVLS) ~480 GB/s, ring-type collectives ~370 GB/s
+    assert h100.busbw_gbps("all_reduce") == 480.0 and h100.busbw_gbps("all_gather") == 370.0
+    assert not h100.busbw_is_assumed("all_gather")
+    assert b200.busbw_is_assumed() and b200.busbw_gbps() == pytest.approx(
+        hardware.ASSUMED_LINK_EFFICIENCY * b200.interconnect_gbps / 2)
+    for a in hardware.SPECS.values():
+        assert a.topology in hardware.TOPOLOGIES and a.domain >= 1 and a.fabric_source
+        # achievable never exceeds the one-way link rate times the NVLS in-network reduction
+        assert a.busbw_gbps("reduce_scatter") <= a.interconnect_gbps / 2
+    assert hardware.get("gb200-nvl72").domain == 72
+    assert hardware.match_device_name("NVIDIA GB200").name == "gb200-nvl72"
+    with pytest.raises(ValueError, match="unknown collective"):
+        h100.busbw_gbps("gossip")

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainbook import configs
+from trainbook import configs, hardware
 from trainbook.__main__ import main
 from trainbook.layout import stage_layers
 from trainbook.parallel import planner as P
@@ -51,7 +51,7 @@ def test_narayanan_table1_layouts_fit_on_a100_80gb(row):
 
 def test_explanations_name_the_rule(llama3):
     job, cluster, _ = llama3
-    assert "tp 16 exceeds 8 GPUs per node" in P.explain("tp=16,pp=8", job, cluster)
+    assert "tp 16 exceeds the 8 GPUs of one NVLink domain" in P.explain("tp=16,pp=8", job, cluster)
     assert "pp 5 does not divide 126 layers" in P.explain("tp=8,pp=5,dp=4", job, cluster)
     assert "= 160 GPUs, not the 16384" in P.explain("tp=8,pp=5,dp=4", job, cluster)
     assert "cp 3 does not divide the sequence length" in P.explain("cp=3", job, cluster)
@@ -135,7 +135,7 @@ def test_cli(capsys):
     assert main(args + ["--top", "2"]) == 0
     assert "feasible layouts" in capsys.readouterr().out
     assert main(args + ["--explain", "tp=16,pp=4"]) == 0
-    assert "tp 16 exceeds 8 GPUs per node" in capsys.readouterr().out
+    assert "tp 16 exceeds the 8 GPUs of one NVLink domain" in capsys.readouterr().out
     assert main(args[:4] + ["0"] + args[5:]) == 2
     assert "--gpus must be a positive integer" in capsys.readouterr().err
     assert main(args[:-1] + ["8000"]) == 2
@@ -166,3 +166,27 @@ def test_dtypes_map_to_honest_peaks():
         2 * C.step_time(lay, bf16, h100)["tp"]
     assert C.step_time(lay, fp32, h100)["compute"] == pytest.approx(
         2 * C.step_time(lay, bf16, h100)["compute"])
+
+
+def test_the_nvlink_domain_comes_from_the_hardware_table():
+    """TP is bounded by the NVLink domain, not by a node: 72 GPUs on a GB200 NVL72; links inside
+    the domain run at the table's achievable bus bandwidth, not at half the bidirectional rate."""
+    cfg = configs.get("llama-3-70b")
+    job = P.Job(cfg, 1024 * 8192, 8192)
+    hgx, nvl72 = P.Cluster(gpus=144), P.Cluster(gpu="gb200-nvl72", gpus=144)
+    assert (hgx.domain_gpus, nvl72.domain_gpus) == (8, 72) and hgx.nic_gbps == 50.0
+    wide_tp = P.Layout(9, 16, 1, 1, 1, 1, 1, "full")
+    assert any("NVLink domain" in r for r in P.check_rules(wide_tp, job, hgx))
+    assert not any("NVLink domain" in r for r in P.check_rules(wide_tp, job, nvl72))
+    lay = P.Layout(18, 8, 1, 1, 1, 1, 1, "full")
+    h100 = hardware.get("h100-sxm")
+    inside = C.step_time(lay, job, hgx)["tp"]
+    faster = C.step_time(lay, job, P.Cluster(gpus=144, alpha_domain_s=0.0))["tp"]
+    # the bandwidth term at 480 GB/s (NVLS all-reduce), not at 450 (half of 900)
+    act = 1 * 8192 * cfg.d_model * 2
+    ring = 2 * 7 / 8 * act / (h100.busbw_gbps("all_reduce") * 1e9)
+    layers, n_ar, m = cfg.n_layers, 6, job.sequences // (lay.dp * lay.micro_batch)
+    assert faster == pytest.approx(m * layers * n_ar * ring, rel=1e-9) and inside > faster
+    with pytest.raises(ValueError, match="has no scale-out network"):
+        P.Cluster(gpu="t4", gpus=16)
+    assert P.Cluster(gpu="t4", gpus=16, nic_gbps=12.5).nic_gbps == 12.5

@@ -9,6 +9,16 @@ Units: TFLOPS = 10^12 FLOP/s, memory in GiB (HBM stacks are binary-sized: the "8
 H100 is 80 GiB; the table gives the nominal capacity, of which CUDA reports slightly less as
 usable), bandwidth in decimal GB/s. Interconnect is the per-GPU bidirectional total.
 
+The scale-up fabric: `domain` GPUs share one NVLink/NVSwitch (or Infinity Fabric) domain (8 in
+an HGX node, 72 in a GB200 NVL72 rack), linked by a switch (any pair at full rate), a direct
+mesh, or only PCIe. What a collective achieves there is not half the bidirectional figure:
+`ring_busbw_gbps` is the bus bandwidth nccl-tests reports for ring-type collectives (all-gather,
+reduce-scatter, ring all-reduce) over the whole domain, `allreduce_busbw_gbps` the all-reduce's,
+which on NVSwitch systems with NVLink SHARP (H100, H200) is NCCL's default NVLS algorithm and
+faster. `busbw_gbps(op)` is the one answer every cost model uses; where no measurement is in the
+table it assumes `ASSUMED_LINK_EFFICIENCY` of the one-way link rate, and says so. `nic_gbps` is
+the scale-out network per GPU on the platform's reference design.
+
 Chapter: book/appendix/hardware.
 """
 
@@ -20,6 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+TOPOLOGIES = ("switch", "mesh", "pcie")
+ASSUMED_LINK_EFFICIENCY = 0.8  # busbw / one-way link rate where nccl-tests figures are not listed
+RING_OPS = ("all_gather", "reduce_scatter", "ring_all_reduce", "all_to_all", "send")
 
 
 @dataclass(frozen=True)
@@ -36,6 +49,28 @@ class Accelerator:
     source: str
     measured: bool = False
     notes: str = field(default="")
+    domain: int = 1  # GPUs in one scale-up domain (NVLink / Infinity Fabric)
+    topology: str = "pcie"  # how the domain is linked: one of TOPOLOGIES
+    ring_busbw_gbps: float | None = None  # achieved by ring-type collectives (nccl-tests)
+    allreduce_busbw_gbps: float | None = None  # achieved by all-reduce (NVLS where default)
+    nic_gbps: float | None = None  # scale-out network per GPU, decimal GB/s
+    fabric_source: str = ""
+
+    def busbw_gbps(self, op: str = "all_reduce") -> float:
+        """Achievable bus bandwidth (decimal GB/s) of collective `op` over the scale-up domain:
+        the table's nccl-tests figure, or ASSUMED_LINK_EFFICIENCY x the one-way link rate."""
+        if op != "all_reduce" and op not in RING_OPS:
+            raise ValueError(f"unknown collective {op!r}; use all_reduce or one of "
+                             f"{', '.join(RING_OPS)}")
+        measured = self.allreduce_busbw_gbps if op == "all_reduce" else None
+        measured = measured or self.ring_busbw_gbps
+        if measured:
+            return measured
+        return ASSUMED_LINK_EFFICIENCY * self.interconnect_gbps / 2
+
+    def busbw_is_assumed(self, op: str = "all_reduce") -> bool:
+        """True when `busbw_gbps(op)` is the assumed efficiency, not a listed measurement."""
+        return not ((op == "all_reduce" and self.allreduce_busbw_gbps) or self.ring_busbw_gbps)
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak in FLOP/s for `dtype`, with a clear error when the chip lacks it."""
@@ -47,6 +82,13 @@ class Accelerator:
         return value * 1e12
 
 
+    def __post_init__(self):
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology {self.topology!r} is not one of {', '.join(TOPOLOGIES)}")
+        if not isinstance(self.domain, int) or self.domain < 1:
+            raise ValueError(f"domain must be a positive whole number of GPUs, got "
+                             f"{self.domain!r}")
+
     def ridge_point(self, dtype: str) -> float:
         """FLOPs per byte of HBM traffic above which a kernel can be compute-bound (roofline)."""
         if not self.hbm_gbps:
@@ -54,38 +96,76 @@ class Accelerator:
         return self.peak_flops(dtype) / (self.hbm_gbps * 1e9)
 
 
-def _gpu(name, vendor, fp32, tf32, bf16, fp16, fp8, mem, hbm, link, link_gbps, source, notes=""):
+def _gpu(name, vendor, fp32, tf32, bf16, fp16, fp8, mem, hbm, link, link_gbps, source, notes="",
+         **fabric):
     tflops = dict(fp32=fp32, tf32=tf32, bf16=bf16, fp16=fp16, fp8=fp8)
-    return Accelerator(name, vendor, tflops, mem, hbm, link, link_gbps, source, notes=notes)
+    return Accelerator(name, vendor, tflops, mem, hbm, link, link_gbps, source, notes=notes,
+                       **fabric)
+
+
+# Reference figures for the fabric: nccl-tests bus bandwidth at large messages on one 8-GPU node.
+_NCCL_TESTS = ("nccl-tests all_reduce_perf / all_gather_perf busbw at >= 1 GB on 8 GPUs of one "
+               "node, as operators report it (e.g. 8x H100 SXM all-reduce 460-480 GB/s, 8x A100 "
+               "SXM4 230-250 GB/s: Alaya NeW, 'NCCL-tests in practice', 2026)")
+_HGX = dict(domain=8, topology="switch")
 
 
 SPECS: dict[str, Accelerator] = {
     a.name: a
     for a in [
         _gpu("v100-sxm2-32gb", "NVIDIA", 15.7, None, None, 125.0, None, 32, 900, "NVLink 2", 300,
-             "NVIDIA Tesla V100 datasheet (SXM2); fp16 is the tensor-core peak"),
+             "NVIDIA Tesla V100 datasheet (SXM2); fp16 is the tensor-core peak",
+             domain=8, topology="mesh", nic_gbps=6.25,
+             fabric_source="DGX-1: hybrid cube-mesh NVLink, 4 x 100 Gb/s InfiniBand per 8 GPUs"),
         _gpu("t4", "NVIDIA", 8.1, None, None, 65.0, None, 16, 320, "PCIe Gen3", 32,
-             "NVIDIA T4 datasheet; fp16 is the tensor-core peak (no bf16: emulated only)"),
+             "NVIDIA T4 datasheet; fp16 is the tensor-core peak (no bf16: emulated only)",
+             fabric_source="PCIe card: no scale-up fabric"),
         _gpu("l4", "NVIDIA", 30.3, 60.0, 121.0, 121.0, 242.0, 24, 300, "PCIe Gen4", 64,
-             "NVIDIA L4 datasheet, dense (the sheet prints sparse, 2x)"),
+             "NVIDIA L4 datasheet, dense (the sheet prints sparse, 2x)",
+             fabric_source="PCIe card: no scale-up fabric"),
         _gpu("a100-40gb", "NVIDIA", 19.5, 156.0, 312.0, 312.0, None, 40, 1555, "NVLink 3", 600,
-             "NVIDIA A100 datasheet (SXM4 40 GB), dense (sparse numbers are 2x)"),
+             "NVIDIA A100 datasheet (SXM4 40 GB), dense (sparse numbers are 2x)",
+             **_HGX, ring_busbw_gbps=235.0, nic_gbps=25.0,
+             fabric_source=_NCCL_TESTS + "; DGX A100: one 200 Gb/s HDR NIC per GPU"),
         _gpu("a100-80gb", "NVIDIA", 19.5, 156.0, 312.0, 312.0, None, 80, 2039, "NVLink 3", 600,
-             "NVIDIA A100 datasheet (SXM4 80 GB), dense (sparse numbers are 2x)"),
+             "NVIDIA A100 datasheet (SXM4 80 GB), dense (sparse numbers are 2x)",
+             **_HGX, ring_busbw_gbps=235.0, nic_gbps=25.0,
+             fabric_source=_NCCL_TESTS + "; DGX A100: one 200 Gb/s HDR NIC per GPU"),
         _gpu("h100-sxm", "NVIDIA", 66.9, 494.7, 989.4, 989.4, 1978.9, 80, 3350, "NVLink 4", 900,
-             "NVIDIA H100 Tensor Core GPU Architecture whitepaper, Table 3 (H100 SXM5), dense"),
+             "NVIDIA H100 Tensor Core GPU Architecture whitepaper, Table 3 (H100 SXM5), dense",
+             **_HGX, ring_busbw_gbps=370.0, allreduce_busbw_gbps=480.0, nic_gbps=50.0,
+             fabric_source=_NCCL_TESTS + "; all-reduce runs NVLink SHARP (NVLS) by default, "
+             "ring-type collectives about 370 GB/s; DGX H100: one 400 Gb/s NIC per GPU"),
         _gpu("h100-pcie", "NVIDIA", 51.2, 378.0, 756.0, 756.0, 1513.0, 80, 2000, "PCIe Gen5", 128,
              "NVIDIA H100 Tensor Core GPU Architecture whitepaper, Table 3 (H100 PCIe), dense",
-             notes="an NVLink bridge joins pairs at 600 GB/s"),
+             notes="an NVLink bridge joins pairs at 600 GB/s", domain=2,
+             fabric_source="PCIe card; NVLink bridge pairs"),
         _gpu("h200", "NVIDIA", 66.9, 494.7, 989.4, 989.4, 1978.9, 141, 4800, "NVLink 4", 900,
              "NVIDIA H200 datasheet (SXM), dense (sparse numbers are 2x)",
-             notes="same GH100 compute as the H100 SXM; 141 GB HBM3e"),
+             notes="same GH100 compute as the H100 SXM; 141 GB HBM3e",
+             **_HGX, ring_busbw_gbps=370.0, allreduce_busbw_gbps=475.0, nic_gbps=50.0,
+             fabric_source=_NCCL_TESTS + "; all-reduce about 475 GB/s (NVLS); ring-type "
+             "collectives assumed as on the H100 (same NVLink 4 and NVSwitch)"),
         _gpu("b200", "NVIDIA", 75.0, 1100.0, 2250.0, 2250.0, 4500.0, 180, 7700, "NVLink 5", 1800,
-             "NVIDIA HGX B200 datasheet, per-GPU column, dense (the sheet prints sparse, 2x)"),
+             "NVIDIA HGX B200 datasheet, per-GPU column, dense (the sheet prints sparse, 2x)",
+             **_HGX, nic_gbps=50.0,
+             fabric_source="HGX B200: NVLink 5 switch; one 400 Gb/s NIC per GPU; no nccl-tests "
+             "figure listed"),
+        _gpu("gb200-nvl72", "NVIDIA", 80.0, 1250.0, 2500.0, 2500.0, 5000.0, 186, 8000,
+             "NVLink 5", 1800,
+             "NVIDIA GB200 NVL72 datasheet, rack figures / 72 GPUs, dense (the sheet prints "
+             "sparse, 2x)",
+             notes="one NVLink domain of 72 GPUs (the rack)", domain=72, topology="switch",
+             nic_gbps=100.0,
+             fabric_source="GB200 NVL72: 72 GPUs on NVLink switch trays; ConnectX-8 800 Gb/s "
+             "per GPU for scale-out; no nccl-tests figure listed"),
         _gpu("mi300x", "AMD", 163.4, 653.7, 1307.4, 1307.4, 2614.9, 192, 5300,
              "Infinity Fabric", 896,
              "AMD Instinct MI300X datasheet, dense matrix peaks (sparse numbers are 2x)",
-             notes="fp32 is the matrix-core peak; 7 links x 128 GB/s"),
+             notes="fp32 is the matrix-core peak; 7 links x 128 GB/s",
+             domain=8, topology="mesh", nic_gbps=50.0,
+             fabric_source="AMD Instinct MI300X platform: 8 GPUs fully connected by Infinity "
+             "Fabric (7 links, 64 GB/s per direction each); a 400 Gb/s NIC per GPU"),
     ]
 }
 
@@ -93,6 +173,7 @@ _NAME_PATTERNS = [  # (regex on torch.cuda.get_device_name(), spec key); first m
     (r"\bH200\b", "h200"),
     (r"\bH100 PCIe\b", "h100-pcie"),
     (r"\bH100\b", "h100-sxm"),
+    (r"\bGB200\b", "gb200-nvl72"),
     (r"\bB200\b", "b200"),
     (r"\bA100.*80GB", "a100-80gb"),
     (r"\bA100\b", "a100-40gb"),
@@ -143,6 +224,9 @@ def table() -> list[dict]:
         row.update({f"{d} TFLOPS": a.tflops[d] for d in DTYPES})
         row.update({"memory GiB": a.memory_gib, "HBM GB/s": a.hbm_gbps,
                     "interconnect": a.interconnect, "link GB/s": a.interconnect_gbps,
+                    "domain GPUs": a.domain, "topology": a.topology,
+                    "ring busbw GB/s": a.ring_busbw_gbps,
+                    "all-reduce busbw GB/s": a.allreduce_busbw_gbps, "NIC GB/s": a.nic_gbps,
                     "source": a.source})
         rows.append(row)
     return rows

@@ -27,9 +27,12 @@ def add_arguments(p):
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     p.add_argument("--all-variants", action="store_true",
                    help="list every variant, not only the fastest of each (dp, tp, pp, cp, ep)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--nic-gbps", type=float, default=50.0,
-                   help="network bandwidth per GPU in GB/s (default 50: 400 Gb/s)")
+    p.add_argument("--domain-gpus", type=int, default=None,
+                   help="GPUs per NVLink domain (default: the GPU's, from the hardware table: "
+                        "8 for HGX nodes, 72 for GB200 NVL72)")
+    p.add_argument("--nic-gbps", type=float, default=None,
+                   help="scale-out network per GPU in GB/s (default: the GPU's platform, e.g. "
+                        "50 for one 400 Gb/s NIC per GPU)")
     p.add_argument("--mfu-matmul", type=float, default=0.5,
                    help="fraction of the bf16 peak the matmuls reach (default 0.5)")
     p.add_argument("--headroom", type=float, default=0.10,
@@ -45,7 +48,7 @@ def run(args) -> int:
         raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
     if args.top < 1:
         raise ValueError(f"--top must be a positive integer, got {args.top}")
-    cluster = planner.Cluster(gpu=args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+    cluster = planner.Cluster(gpu=args.gpu, gpus=args.gpus, domain_gpus=args.domain_gpus,
                               nic_gbps=args.nic_gbps, mfu_matmul=args.mfu_matmul,
                               headroom=args.headroom)
     job = planner.Job(configs.resolve(args.model), args.global_batch_tokens, args.seq_len)

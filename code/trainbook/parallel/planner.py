@@ -60,8 +60,8 @@ def check_rules(layout: Layout, job: Job, cluster: Cluster) -> list[str]:
     if L.gpus != cluster.gpus:
         out.insert(0, f"dp {L.dp} x tp {L.tp} x pp {L.pp} x cp {L.cp} = {L.gpus} GPUs, "
                       f"not the {cluster.gpus} available")
-    if L.tp > cluster.gpus_per_node:
-        out.append(f"tp {L.tp} exceeds {cluster.gpus_per_node} GPUs per node "
+    if L.tp > cluster.domain_gpus:
+        out.append(f"tp {L.tp} exceeds the {cluster.domain_gpus} GPUs of one NVLink domain "
                    "(TP all-reduces every layer: it needs NVLink)")
     if L.cp > 1 and job.seq_len % L.cp == 0 and job.seq_len // L.cp < cluster.min_cp_tokens:
         out.append(f"cp {L.cp} cuts {job.seq_len}-token sequences into chunks of "
@@ -125,7 +125,7 @@ def enumerate_layouts(job: Job, cluster: Cluster, zero=(0, 1, 2, 3), micro_batch
     cfg, n = job.model, cluster.gpus
     out = []
     for tp in _divisors(n):
-        if tp > cluster.gpus_per_node:
+        if tp > cluster.domain_gpus:
             break
         for cp in _divisors(n // tp):
             if cp > max_cp:

@@ -2,8 +2,8 @@
 
 Ranks are ordered [TP, CP, PP, DP] from the fastest-varying (Llama 3's order, Dubey et al. 2024,
 Section 3.3.2): a TP group is 8 consecutive GPUs of one node, DP the outermost dimension. A group
-whose span (its stride times its size) fits in one node talks over NVLink, otherwise over the
-network.
+whose span (its stride times its size) fits in one NVLink domain (`Cluster.domain_gpus`: 8 GPUs
+of an HGX node, 72 of a GB200 NVL72 rack) talks over NVLink, otherwise over the network.
 
 Memory is `compute.memory.estimate` (bf16 mixed precision with AdamW; by default the activations
 of a model with fused attention, see `memory_inputs`) for the heaviest pipeline stage, against
@@ -30,9 +30,12 @@ Step time is a roofline-plus-alpha-beta model (`step_time`):
   the rest is exposed.
 Collectives cost `parallel.collectives.collective_time` (ring steps x alpha + bus factor x bytes /
 bandwidth, the bus factor from `bench.collectives.bus_factor`). Bytes per element come from
-`compute.roofline.BYTES_PER_ELEMENT`; MFU is `compute.flops.utilization`. NVLink
-bandwidth is half the table's bidirectional per-GPU figure; the network is `nic_gbps` per GPU
-(50 GB/s: one 400 Gb/s NIC per GPU).
+`compute.roofline.BYTES_PER_ELEMENT`; MFU is `compute.flops.utilization`. Inside the domain
+the bandwidth is what nccl-tests achieves, from the hardware table (`busbw_gbps`: on 8 H100,
+480 GB/s for all-reduce with NVLink SHARP, 370 GB/s for ring-type collectives); across domains
+`nic_gbps` per GPU (the platform's, 50 GB/s for one 400 Gb/s NIC per GPU). Latency per ring
+step is 1 us inside the domain (an 8-GPU ring all-reduce: 14 us, about NCCL's small-message
+latency there) and 15 us across.
 
 What the model leaves out: kernel efficiency that falls as matmuls shrink (small micro-batches,
 large TP), stage imbalance (the head's FLOPs on the last stage), the optimizer step, data loading,
@@ -68,24 +71,32 @@ class Cluster:
 
     gpu: str = "h100-sxm"
     gpus: int = 8
-    gpus_per_node: int = 8
-    nic_gbps: float = 50.0  # per GPU, decimal GB/s: one 400 Gb/s NIC per GPU
+    domain_gpus: int | None = None  # GPUs per NVLink domain; None: the GPU's (8 HGX, 72 NVL72)
+    nic_gbps: float | None = None  # scale-out per GPU, decimal GB/s; None: the GPU's platform
     mfu_matmul: float = 0.5  # fraction of the dense peak (`matmul_dtype`) the matmuls achieve
-    alpha_nvlink_s: float = 5e-6  # latency per ring step inside a node
-    alpha_net_s: float = 15e-6  # latency per ring step across nodes
+    alpha_domain_s: float = 1e-6  # latency per ring step inside the NVLink domain
+    alpha_net_s: float = 15e-6  # latency per ring step across domains
     dp_overlap: float = 1.0  # fraction of a micro-batch's compute that can hide DP traffic
     headroom: float = 0.10  # fraction of HBM kept free (CUDA context, NCCL, fragmentation)
     min_cp_tokens: int = 8192  # CP only for long sequences: tokens per CP rank (check_rules)
 
     def __post_init__(self):
-        hardware.get(self.gpu)  # unknown GPUs fail here, with the list
+        spec = hardware.get(self.gpu)  # unknown GPUs fail here, with the list
         _positive_int("GPU count", self.gpus)
-        _positive_int("gpus_per_node", self.gpus_per_node)
+        if self.domain_gpus is None:
+            object.__setattr__(self, "domain_gpus", spec.domain)
+        _positive_int("domain_gpus", self.domain_gpus)
+        if self.nic_gbps is None:
+            if spec.nic_gbps is None and self.gpus > self.domain_gpus:
+                raise ValueError(f"{spec.name} has no scale-out network in the hardware table "
+                                 f"and {self.gpus} GPUs span more than one domain of "
+                                 f"{self.domain_gpus}; give nic_gbps (--nic-gbps)")
+            object.__setattr__(self, "nic_gbps", spec.nic_gbps or 0.0)
         if not 0 < self.mfu_matmul <= 1:
             raise ValueError(f"mfu_matmul must be in (0, 1], got {self.mfu_matmul}")
         if not 0 <= self.headroom < 1:
             raise ValueError(f"headroom must be in [0, 1), got {self.headroom}")
-        if not self.nic_gbps > 0:
+        if self.nic_gbps < 0 or (self.nic_gbps == 0 and self.gpus > self.domain_gpus):
             raise ValueError(f"nic_gbps must be positive, got {self.nic_gbps}")
 
     @property
@@ -191,11 +202,12 @@ def _collective(op: str, n: int, nbytes: float, alpha_s: float, gbps: float) -> 
     return collective_time(op, n, nbytes, alpha_s, gbps * 1e9)
 
 
-def _link(stride: int, size: int, cluster: Cluster) -> tuple[float, float]:
-    """(alpha, GB/s) of a group of `size` ranks `stride` apart: NVLink inside a node (half the
-    bidirectional table figure), the NIC otherwise."""
-    if stride * size <= cluster.gpus_per_node:
-        return cluster.alpha_nvlink_s, cluster.spec.interconnect_gbps / 2
+def _link(stride: int, size: int, cluster: Cluster, op: str) -> tuple[float, float]:
+    """(alpha, busbw GB/s) of collective `op` over a group of `size` ranks `stride` apart: the
+    hardware table's achievable bus bandwidth inside the NVLink domain
+    (`hardware.Accelerator.busbw_gbps`), the NIC otherwise."""
+    if stride * size <= cluster.domain_gpus:
+        return cluster.alpha_domain_s, cluster.spec.busbw_gbps(op)
     return cluster.alpha_net_s, cluster.nic_gbps
 
 
@@ -214,13 +226,13 @@ def step_time(layout: Layout, job: Job, cluster: Cluster) -> dict[str, float]:
     layers = stage_layers(cfg.n_layers, L.pp * L.interleave) * L.interleave
 
     # TP: 4 all-reduces of the layer's activations per layer (6 with full recompute)
-    a_tp, bw_tp = _link(1, L.tp, cluster)
+    a_tp, bw_tp = _link(1, L.tp, cluster, "all_reduce")
     act = mb * s / L.cp * cfg.d_model * e
     n_ar = 6 if L.recompute == "full" else 4
     t_tp = layers * n_ar * _collective("all_reduce", L.tp, act, a_tp, bw_tp)
 
     # CP: all-gather K and V forward, reduce-scatter their gradients backward
-    a_cp, bw_cp = _link(L.tp, L.cp, cluster)
+    a_cp, bw_cp = _link(L.tp, L.cp, cluster, "all_gather")
     kv = 2 * mb * s * cfg.kv_heads / L.tp * cfg.dim_head * e
     n_cp = 3 if L.recompute == "full" else 2
     t_cp = layers * n_cp * _collective("all_gather", L.cp, kv, a_cp, bw_cp)
@@ -228,14 +240,14 @@ def step_time(layout: Layout, job: Job, cluster: Cluster) -> dict[str, float]:
     # EP: dispatch and combine all-to-alls, forward and backward (ranks carved out of dp)
     t_ep = 0.0
     if L.ep > 1:
-        a_ep, bw_ep = _link(L.tp * L.cp * L.pp, L.ep, cluster)
+        a_ep, bw_ep = _link(L.tp * L.cp * L.pp, L.ep, cluster, "all_to_all")
         tokens = mb * s / L.cp / L.tp * cfg.top_k * cfg.d_model * e
         t_ep = layers * 4 * _collective("all_to_all", L.ep, tokens, a_ep, bw_ep)
 
     # PP: one send forward and one backward per micro-batch and virtual stage
     t_p2p = 0.0
     if L.pp > 1:
-        a_pp, bw_pp = _link(L.tp * L.cp, L.pp, cluster)
+        a_pp, bw_pp = _link(L.tp * L.cp, L.pp, cluster, "send")
         t_p2p = 2 * L.interleave * (a_pp + act / L.tp / (bw_pp * 1e9))
     stage = t_comp + t_tp + t_cp + t_ep + t_p2p
     bubble = (L.pp - 1) / L.interleave * stage if L.pp > 1 else 0.0
@@ -247,7 +259,7 @@ def step_time(layout: Layout, job: Job, cluster: Cluster) -> dict[str, float]:
     params = memory_per_rank(L, job)["params_per_rank"]
     n_dp = L.dp * L.cp
     span = L.tp * L.cp if L.dp == 1 else L.gpus
-    a_dp, bw_dp = _link(1, span, cluster)
+    a_dp, bw_dp = _link(1, span, cluster, "reduce_scatter")
     unit = params * e / layers
     grads = layers * _collective("reduce_scatter", n_dp, unit, a_dp, bw_dp)
     gather = layers * _collective("all_gather", n_dp, unit, a_dp, bw_dp)
