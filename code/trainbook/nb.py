@@ -42,6 +42,7 @@ class Context:
     matmul_dtype: str = "fp32"  # the fastest matmul dtype here (measured on a CPU)
     lowp_emulated: bool = False  # bf16/fp16 run through a slow emulation on this CPU
     machine: str = ""  # what setup() found: GPU name, or CPU threads and its bf16 class
+    matmul_dtypes: tuple[str, ...] = ("fp32",)  # what this device multiplies in (no emulation)
 
     def pick(self, small, large):
         """The small or the large variant of a setting, by the size policy."""
@@ -58,6 +59,21 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+def gpu_matmul_dtypes(capability: tuple[int, int], hip: bool = False) -> tuple[str, ...]:
+    """The matmul dtypes a GPU of this compute capability runs natively: fp16 tensor cores from
+    Volta (7.0), tf32 and bf16 from Ampere (8.0), fp8 from Ada/Hopper (8.9). A T4 (7.5) or V100
+    (7.0) has neither tf32 nor bf16: asking for them fails or emulates. ROCm: MI200/MI300 have
+    all but fp8 below gfx942, which reports 9.4."""
+    out = ["fp32"]
+    if hip or capability >= (7, 0):
+        out.append("fp16")
+    if hip or capability >= (8, 0):
+        out += ["tf32", "bf16"]
+    if capability >= (8, 9) and not (hip and capability < (9, 4)):
+        out.append("fp8")
+    return tuple(out)
+
+
 def setup(seed: int = 0, quiet: bool = False) -> Context:
     """Seed everything, choose the size, apply the plot style, print device/dtype/size."""
     seed_everything(seed)
@@ -71,6 +87,8 @@ def setup(seed: int = 0, quiet: bool = False) -> Context:
         dtype = "bf16" if native_bf16 else "fp16"
         where = torch.cuda.get_device_name(0)
         matmul_dtype, emulated = dtype, False
+        dtypes = gpu_matmul_dtypes(torch.cuda.get_device_capability(0),
+                                   hip=torch.version.hip is not None)
     else:
         from .bench import lowp
 
@@ -78,6 +96,7 @@ def setup(seed: int = 0, quiet: bool = False) -> Context:
         lp = lowp.probe()
         matmul_dtype, emulated = lp.fastest, lp.emulated("bf16")
         where = f"CPU, {torch.get_num_threads()} threads, {lp.describe()}"
+        dtypes = ("fp32",) if emulated else ("fp32", "bf16", "fp16")
     plot_style()
     if not quiet:
         print(f"trainbook: device {device} ({where}), dtype {dtype}, size {size}, "
@@ -85,7 +104,7 @@ def setup(seed: int = 0, quiet: bool = False) -> Context:
         if emulated:
             print("trainbook: bf16/fp16 are emulated on this CPU: low-precision cells use small "
                   f"shapes, and throughput cells measure in {matmul_dtype}")
-    return Context(device, size, dtype, seed, matmul_dtype, emulated, where)
+    return Context(device, size, dtype, seed, matmul_dtype, emulated, where, dtypes)
 
 
 def show_source(obj) -> None:
