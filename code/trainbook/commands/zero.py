@@ -56,13 +56,13 @@ def _row(setup: harness.Setup, kind: str, psi: int, ref: harness.Trace | None,
          measure: bool) -> dict:
     """One kind: bytes per step in units of Psi (fp32 model bytes), the differences from the
     one-process reference (where given) and, with measure, this rank's peak MiB."""
-    out = zero.run_zero(setup, kind)
+    out = harness.run(setup, zero.ZeroRun(kind=kind, measure_memory=measure))
     row = {"kind": kind,
-           "bytes_per_step_psi": {c: b / psi for c, b in out["bytes_per_step"].items()}}
+           "bytes_per_step_psi": {c: b / psi for c, b in zero.paper_bytes(out).items()}}
     if measure:
-        row["peak_MiB"] = zero.measure_rank(setup, kind)["peak"] / 2**20
+        row["peak_MiB"] = out.memory["peak"] / 2**20
     if ref is not None:
-        row["max_diff"] = harness.max_differences(out["trace"], ref)
+        row["max_diff"] = harness.max_differences(out.trace, ref)
     return row
 
 

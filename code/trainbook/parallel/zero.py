@@ -31,18 +31,15 @@ Chapter: book/parallelism/zero-fsdp.
 
 from __future__ import annotations
 
-import time
 import warnings
-from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..bench.collectives import bus_factor
-from ..launch import rank_device
 from . import harness
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -53,9 +50,9 @@ class FlatUnit:
     """One unit's parameters in a flat buffer padded to a multiple of the world size."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], rank: int, world: int, stage: int,
-                 counters: dict):
+                 counters: dict, group=None):
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
-        self.world, self.stage, self.counters = world, stage, counters
+        self.world, self.stage, self.counters, self.group = world, stage, counters, group
         self.numel = sum(p.numel() for p in self.params)
         self.padded = -(-self.numel // world) * world
         self.k = self.padded // world
@@ -88,7 +85,8 @@ class FlatUnit:
             if self.gathered:
                 return
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-        dist.all_gather_single(self.full, self.shard.detach().clone())  # input must not alias
+        # the input must not alias the output
+        dist.all_gather_single(self.full, self.shard.detach().clone(), group=self.group)
         self.counters["all_gather"] += self.padded * self.full.element_size()
         self.counters["calls"] += 1
 
@@ -110,7 +108,7 @@ class FlatUnit:
             return  # already reduced
         flat, self.grad_flat = self.grad_flat, None
         mine = flat.new_empty(self.k)
-        dist.reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM)
+        dist.reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
         self.counters["reduce_scatter"] += flat.numel() * flat.element_size()
         self.counters["calls"] += 1
         del flat  # the full gradient is not needed any more
@@ -119,7 +117,7 @@ class FlatUnit:
 
 
 class ZeRO(nn.Module):
-    """Wrap `module` for ZeRO stage 1, 2 or 3 over the default process group.
+    """Wrap `module` for ZeRO stage 1, 2 or 3 over the ranks of `group` (default: all ranks).
 
     `units` are the submodules sharded (and, at stage 3, gathered) as one flat buffer each; the
     parameters outside them form the root unit. Use it like a model plus optimizer:
@@ -128,7 +126,7 @@ class ZeRO(nn.Module):
     """
 
     def __init__(self, module: nn.Module, stage: int, make_optimizer,
-                 units: list[nn.Module] | None = None):
+                 units: list[nn.Module] | None = None, group=None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
@@ -138,13 +136,15 @@ class ZeRO(nn.Module):
         self.module, self.stage = module, stage
         units = units if units is not None else getattr(module, "blocks", [])
         self.units_modules = [m for m in units if any(True for _ in m.parameters())]
-        rank, world = dist.get_rank(), dist.get_world_size()
+        self.group = group
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.counters = {"all_gather": 0, "reduce_scatter": 0, "calls": 0}
         name_of = {p: n for n, p in module.named_parameters()}
         inside = {p for m in self.units_modules for p in m.parameters()}
         groups = [[(name_of[p], p) for p in m.parameters()] for m in self.units_modules]
         rest = [(n, p) for n, p in module.named_parameters() if p not in inside]
-        self.units = [FlatUnit(g, rank, world, stage, self.counters) for g in groups + [rest] if g]
+        self.units = [FlatUnit(g, rank, world, stage, self.counters, group)
+                      for g in groups + [rest] if g]
         self.root = self.units[-1] if rest else None  # embedding, final norm, head
         self.shards = nn.ParameterList(u.shard for u in self.units)  # what this rank owns
         self.optimizer = make_optimizer(list(self.shards))
@@ -215,40 +215,12 @@ class ZeRO(nn.Module):
             if src is None:
                 raise ValueError("no gradients yet: call backward (and reduce_gradients) first")
             full = src.new_empty(u.padded)
-            dist.all_gather_single(full, src.contiguous())
+            dist.all_gather_single(full, src.contiguous(), group=self.group)
             offset = 0
             for n, p in zip(u.names, u.params):
                 out[n] = full[offset:offset + p.numel()].view(p.shape).clone()
                 offset += p.numel()
         return out
-
-
-class CommCounter(TorchDispatchMode):
-    """Bytes of every collective that passes through the dispatcher, for any implementation
-    (DDP's reducer, ZeroRedundancyOptimizer, FSDP2 and the stages above all call c10d ops).
-
-    Sizes follow the ZeRO paper's convention: a reduce-scatter counts its full input, an
-    all-gather its full output, a broadcast its tensor, and an all-reduce twice its tensor (it is
-    a reduce-scatter followed by an all-gather). `calls` counts the operations.
-    """
-
-    OPS = {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
-           "_allgather_base_": "all_gather", "broadcast_": "broadcast"}
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = dict.fromkeys(self.OPS.values(), 0)
-        self.calls = dict.fromkeys(self.OPS.values(), 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        op = self.OPS.get(func.overloadpacket.__name__) if "c10d" in str(func) else None
-        if op:
-            full = args[1] if op == "reduce_scatter" else args[0]  # (output, input, ...)
-            first = full[0] if isinstance(full, list) else full  # the full-size tensor
-            size = first.numel() * first.element_size()
-            self.bytes[op] += 2 * size if op == "all_reduce" else size
-            self.calls[op] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def wire_bytes(collective_bytes: float, world: int) -> float:
@@ -257,139 +229,129 @@ def wire_bytes(collective_bytes: float, world: int) -> float:
     return bus_factor("all_gather", world) * collective_bytes
 
 
+def paper_bytes(result: harness.Result) -> dict[str, float]:
+    """Bytes per step by collective in the ZeRO paper's convention (Section 7): full tensor
+    sizes, an all-reduce counted twice (it is a reduce-scatter and an all-gather). Every step
+    of these runs is alike, so the first step's counts (`harness.CommCounter`) are per step."""
+    out: dict[str, float] = {}
+    for phase in result.bytes.values():
+        for op, b in phase.items():
+            out[op] = out.get(op, 0) + (2 * b if op == "all_reduce" else b)
+    return out
+
+
+def calls_per_step(result: harness.Result, op: str) -> int:
+    """How many `op` collectives one step issues (both phases of the first step)."""
+    return sum(phase.get(op, 0) for phase in result.calls.values())
+
+
 # ---------------------------------------------------------------------------------------------
-# One runner per rank for every implementation: from scratch and PyTorch's
+# One technique for every implementation: from scratch and PyTorch's
 # ---------------------------------------------------------------------------------------------
 
-class _Prepared:
-    """A model wrapped by one `kind`: how to step it, what to track, how to read it back."""
+@dataclass(kw_only=True)
+class ZeroRun(harness.Technique):
+    """Each rank trains on its shard of every global batch with `kind` (see KINDS): the
+    from-scratch stages, DDP, `ZeroRedundancyOptimizer` or FSDP2 (`reshard_after_forward`,
+    bf16 `mixed_precision` with fp32 reduction). Stats: the scratch stages' own counters per
+    step, and the elements this rank's ZeroRedundancyOptimizer owns."""
 
-    def __init__(self, setup: harness.Setup, kind: str, reshard_after_forward: bool | int = True,
-                 mixed_precision: bool = False):
-        if kind not in KINDS:
-            raise ValueError(f"kind {kind!r} is unknown; use one of {', '.join(KINDS)}")
-        if mixed_precision and kind != "fsdp2":
+    kind: str = "zero1"
+    reshard_after_forward: bool | int = True
+    mixed_precision: bool = False
+    mesh_dim: str = "dp"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind {self.kind!r} is unknown; use one of {', '.join(KINDS)}")
+        if self.mixed_precision and self.kind != "fsdp2":
             raise ValueError("mixed_precision applies to kind 'fsdp2' only")
-        if reshard_after_forward is not True and kind != "fsdp2":
+        if self.reshard_after_forward is not True and self.kind != "fsdp2":
             raise ValueError("reshard_after_forward applies to kind 'fsdp2' only")
-        self.kind, self.setup = kind, setup
-        model = harness.build_model(setup)
+
+    def build(self, setup: harness.Setup, mesh) -> None:
+        if mesh is None:
+            raise ValueError("ZeroRun runs inside a process group: use "
+                             "trainbook.launch.run(harness.sweep, nprocs, ...)")
+        group = mesh["dp"].get_group()
+        self.rank, self.world, self.steps = dist.get_rank(group), dist.get_world_size(group), \
+            setup.steps
+        self.inner = model = harness.build_model(setup)
         make_opt = partial(harness.make_optimizer, setup)
-        self.names = [n for n, _ in model.named_parameters()]
-        self.counters, self.shard_numel = None, None
-        if kind in STAGES:
-            self.zero = ZeRO(model, STAGES[kind], make_opt)
+        self.zero, self.shard_numel = None, None
+        if self.kind in STAGES:
+            self.zero = ZeRO(model, STAGES[self.kind], make_opt, group=group)
             self.model, self.optimizer = self.zero, self.zero.optimizer
-            self.counters = self.zero.counters
-        elif kind in ("ddp", "zero_redundancy_optimizer"):
-            self.model = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-            if kind == "ddp":
+        elif self.kind in ("ddp", "zero_redundancy_optimizer"):
+            self.model = nn.parallel.DistributedDataParallel(
+                model, gradient_as_bucket_view=True, process_group=group)
+            if self.kind == "ddp":
                 self.optimizer = make_opt(model.parameters())
             else:
                 from torch.distributed.optim import ZeroRedundancyOptimizer
                 cls = torch.optim.SGD if setup.optimizer == "sgd" else torch.optim.AdamW
                 extra = {} if setup.optimizer == "sgd" else {"weight_decay": 0.0}
-                self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls,
-                                                         lr=setup.lr, **extra)
+                self.optimizer = ZeroRedundancyOptimizer(
+                    model.parameters(), optimizer_class=cls, process_group=group, lr=setup.lr,
+                    **extra)
                 self.shard_numel = sum(p.numel() for g in self.optimizer.optim.param_groups
                                        for p in g["params"])
-            self.inner = model
         else:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-                if mixed_precision else MixedPrecisionPolicy()
-            from torch.distributed.device_mesh import init_device_mesh
-            # an explicit mesh on this rank's device: the default one follows the accelerator
-            # (cuda when a GPU is visible), whatever the process group's backend
-            mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
+                if self.mixed_precision else MixedPrecisionPolicy()
             for block in model.blocks:
-                fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward,
                             mp_policy=mp)
             fully_shard(model, mesh=mesh, mp_policy=mp)
             self.model, self.optimizer = model, make_opt(model.parameters())
 
-    def step(self, x, y, keep_grads: bool = False, comm: CommCounter | None = None):
-        """One training step; returns (local loss, full gradients by name if keep_grads).
-        Collectives inside the step are counted by `comm`; gathering gradients is not."""
-        with comm or nullcontext():
-            logits, loss = self.model(x, y)
-            loss.backward()
-            if self.kind in STAGES:
-                self.zero.reduce_gradients()
-        grads = None
-        if keep_grads:
-            grads = self.zero.full_tensors("grad") if self.kind in STAGES \
-                else self._named(lambda p: p.grad)
-        with comm or nullcontext():
-            if self.kind in STAGES:
-                self.zero.step()  # update this rank's slices, all-gather them (stages 1-2)
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        del logits
-        return loss.detach(), grads
+    def local_batch(self, x, y):
+        return harness.shard((x, y), self.rank, self.world)
 
-    def _named(self, get) -> dict[str, torch.Tensor]:
-        module = self.inner if hasattr(self, "inner") else self.model
-        out = {}
-        for n, p in module.named_parameters():
-            t = get(p)
-            out[n] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().clone()
+    def forward_backward(self, x, y):
+        logits, loss = self.model(x, y)
+        loss.backward()
+        if self.zero is not None:
+            self.zero.reduce_gradients()
+        return logits, loss.detach()
+
+    def named_parameters(self):
+        return self.inner.named_parameters()
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        if self.zero is None:
+            return super().gradients()
+        return {n: harness.full_tensor(t) for n, t in self.zero.full_tensors("grad").items()}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        if self.zero is None:
+            return super().parameters()
+        return {n: harness.full_tensor(t) for n, t in self.zero.full_tensors("param").items()}
+
+    def optimizer_step(self) -> None:
+        if self.zero is not None:
+            self.zero.step()  # update this rank's slices, all-gather them (stages 1-2)
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self, x, y) -> None:
+        with warnings.catch_warnings():  # MemTracker's own gradient hook runs after ZeRO's,
+            # which has already moved the gradient into the flat buffer: it sees None and warns
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")
+            super().train_step(x, y)
+
+    def stats(self) -> dict:
+        out = {"shard_numel": self.shard_numel}
+        if self.zero is not None:
+            out["counters"] = {k: v / self.steps for k, v in self.zero.counters.items()}
         return out
-
-    def params(self) -> dict[str, torch.Tensor]:
-        if self.kind in STAGES:
-            return self.zero.full_tensors("param")
-        return self._named(lambda p: p)
-
-
-def run_zero(setup: harness.Setup, kind: str = "zero1", reshard_after_forward: bool | int = True,
-             mixed_precision: bool = False) -> dict:
-    """Train on this rank's shard of each global batch with `kind` (see KINDS).
-
-    Returns the trace (full tensors under the reference's names), the communication counters of
-    the from-scratch stages (bytes of full tensors per collective, summed over the run), the
-    number of elements this rank's ZeroRedundancyOptimizer owns, and the median step time.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    run = _Prepared(setup, kind, reshard_after_forward, mixed_precision)
-    losses, first, times, comm = [], {}, [], CommCounter()
-    for i, batch in enumerate(harness.global_batches(setup)):
-        t0 = time.perf_counter()
-        loss, grads = run.step(*harness.shard(batch, rank, world), keep_grads=i == 0, comm=comm)
-        times.append(time.perf_counter() - t0)
-        first = grads if i == 0 else first
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-    trace = harness.Trace(losses, first, run.params())
-    times = sorted(times[1:] or times)
-    per_step = lambda d: {k: v / setup.steps for k, v in d.items()}  # noqa: E731
-    return {"kind": kind, "trace": trace,
-            "counters": per_step(run.counters) if run.counters else None,
-            "bytes_per_step": per_step(comm.bytes), "calls_per_step": per_step(comm.calls),
-            "shard_numel": run.shard_numel, "step_seconds": times[len(times) // 2]}
-
-
-def measure_rank(setup: harness.Setup, kind: str = "zero1",
-                 reshard_after_forward: bool | int = True, mixed_precision: bool = False) -> dict:
-    """This rank's peak tensor bytes in one steady-state step of `kind` (MemTracker), on its
-    shard of the first global batch. Flat buffers and shards count as weights."""
-    from ..bench.memory_measure import tracked_peak
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    run = _Prepared(setup, kind, reshard_after_forward, mixed_precision)
-    x, y = harness.shard(harness.global_batches(setup)[0], rank, world)
-    with warnings.catch_warnings():  # MemTracker's own gradient hook runs after ZeRO's, which
-        # has already moved the gradient into the flat buffer: it sees None and warns
-        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")
-        out = tracked_peak(run.model, run.optimizer, x, y, step=lambda m, o, x, y: run.step(x, y))
-    out["kind"] = kind
-    return out
 
 
 def collective_workspace(numel: int) -> dict[str, float]:
     """Extra memory each collective allocates beyond its input and output, in units of the full
-    tensor (numel fp32 elements), measured with MemTracker on this backend."""
+    tensor (numel fp32 elements), measured with MemTracker on this backend (all ranks)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     world = dist.get_world_size()
@@ -414,22 +376,13 @@ def collective_workspace(numel: int) -> dict[str, float]:
     return out
 
 
-def sweep(setup: harness.Setup, variants: list[dict]) -> list[dict]:
-    """One result per variant, in one process group (one launch instead of many): run_zero with
-    the variant's keyword arguments, or measure_rank for a variant with measure=True, or
-    collective_workspace(n) for a variant {"workspace": n}. A variant's "setup" key replaces
-    the common setup for that variant."""
-    out = []
-    for v in variants:
-        v = dict(v)
-        s = v.pop("setup", setup)
-        if "workspace" in v:
-            out.append(collective_workspace(v["workspace"]))
-        elif v.pop("measure", False):
-            out.append(measure_rank(s, **v))
-        else:
-            out.append(run_zero(s, **v))
-    return out
+def _workspace_of(numel: int, _setup: harness.Setup) -> dict[str, float]:
+    return collective_workspace(numel)
+
+
+def workspace_probe(numel: int) -> partial:
+    """`collective_workspace(numel)` as a sweep variant: a picklable callable of the setup."""
+    return partial(_workspace_of, numel)
 
 
 def estimate_rank(setup: harness.Setup, kind: str, world: int = 2):
