@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainbook import launch
-from trainbook.parallel import harness
+from trainbook.parallel import harness, tp_comm, vocab_parallel
 from trainbook.parallel import tensor_parallel as tp
 
 
@@ -18,16 +18,17 @@ def _key(row):
 def test_llama_every_kind_matches_reference_and_theory():
     s = harness.Setup()  # llama, 4 heads, 2 kv heads: GQA split over 2 ranks
     ref = harness.reference(s)
-    variants = [dict(kind=k) for k in tp.KINDS] + [dict(kind="dtensor", shared_input=False)]
-    ranks = launch.run(tp.sweep, 2, args=(s, variants), timeout_s=180)
+    variants = {k: tp.TensorParallelRun(kind=k) for k in tp.KINDS}
+    variants["unshared"] = tp.TensorParallelRun(kind="dtensor", shared_input=False)
+    ranks = launch.run(harness.sweep, 2, args=(s, variants), timeout_s=180)
     for r in ranks:
-        for v, out in zip(variants, r.value):
-            d = harness.max_differences(out["trace"], ref)
+        for v, out in r.value.items():
+            d = harness.max_differences(out.trace, ref)
             assert d["loss"] < 1e-5 and d["grad"] < 1e-6 and d["param"] < 1e-6, (v, d)
     outs = ranks[0].value
     cfg = s.model_config()
-    for out in outs[:2]:  # scratch: every collective counted, calls and bytes, as theory says
-        sp = out["kind"].endswith("_sp")
+    for kind in ("scratch", "scratch_sp"):  # every collective counted, as theory says
+        out, sp = outs[kind], kind.endswith("_sp")
         measured = {_key(r): (r["calls"], r["bytes"]) for r in out["counts"]}
         theory = {_key(r): (r["calls"], r["bytes"])
                   for r in tp.theory_counts(cfg, sp, s.global_batch, s.seq_len)}
@@ -39,35 +40,38 @@ def test_llama_every_kind_matches_reference_and_theory():
         assert sum(r["calls"] for r in block) == (8 if sp else 4) * cfg.n_layers
     # SP swaps each all-reduce for a reduce-scatter + all-gather pair of the same total volume
     by = lambda out, ops: sum(r["bytes"] for r in out["counts"] if r["where"] == "block" and r["op"] in ops)  # noqa
-    ar, pairs = by(outs[0], {"all_reduce"}), by(outs[1], {"all_gather", "reduce_scatter"})
+    scratch, scratch_sp = outs["scratch"], outs["scratch_sp"]
+    ar, pairs = by(scratch, {"all_reduce"}), by(scratch_sp, {"all_gather", "reduce_scatter"})
     assert pairs == 2 * ar
-    assert sum(tp.wire_bytes(r["op"], r["bytes"], 2)
-               for r in outs[0]["counts"] if r["where"] == "block") == \
-        sum(tp.wire_bytes(r["op"], r["bytes"], 2)
-            for r in outs[1]["counts"] if r["where"] == "block")
+    assert sum(tp_comm.wire_bytes(r["op"], r["bytes"], 2)
+               for r in scratch["counts"] if r["where"] == "block") == \
+        sum(tp_comm.wire_bytes(r["op"], r["bytes"], 2)
+            for r in scratch_sp["counts"] if r["where"] == "block")
+    seen = {k: out.calls["forward_backward"] for k, out in outs.items()}
     # DTensor issues the same collectives (shared q/k/v input); unshared pays one per Colwise layer
-    assert outs[2]["observed"] == outs[0]["observed"] == {"all_reduce": 13}
-    # Comm misses nothing CommDebugMode sees
-    assert sum(r["calls"] for r in outs[0]["counts"]) == 13
-    assert outs[3]["observed"]["all_gather"] == outs[1]["observed"]["all_gather"] == 10
+    assert seen["dtensor"] == seen["scratch"] == {"all_reduce": 13}
+    # Comm misses nothing the dispatcher-level counter sees
+    assert sum(r["calls"] for r in scratch["counts"]) == 13
+    assert seen["dtensor_sp"]["all_gather"] == seen["scratch_sp"]["all_gather"] == 10
     # (q, k, v) 3 + (gate, up) 2 vs 2
-    assert outs[4]["observed"]["all_reduce"] == 13 + 3 * cfg.n_layers
+    assert seen["unshared"]["all_reduce"] == 13 + 3 * cfg.n_layers
     # SP norm weights: scratch sums their gradients in backward; DTensor leaves them Partial and
     # reduces each one in the optimizer step
-    assert not outs[1]["in_optimizer"]
-    assert outs[3]["in_optimizer"] == {"all_reduce": 2 * cfg.n_layers + 1}
+    assert not outs["scratch_sp"].calls["optimizer"]
+    assert outs["dtensor_sp"].calls["optimizer"] == {"all_reduce": 2 * cfg.n_layers + 1}
 
 
 def test_gpt2_tied_sequence_parallel_adamw_and_memory():
     s = harness.Setup(flavour="gpt2", n_kv_heads=4, optimizer="adamw")
     ref = harness.reference(s)
-    variants = [dict(kind="scratch_sp", measure_memory=True), dict(kind="dtensor_sp")]
-    outs = launch.run(tp.sweep, 2, args=(s, variants), timeout_s=180)[0].value
-    for out in outs:
-        d = harness.max_differences(out["trace"], ref)
-        assert d["loss"] < 1e-5 and d["grad"] < 1e-6 and d["param"] < 1e-4, (out["kind"], d)
+    variants = {"scratch_sp": tp.TensorParallelRun(kind="scratch_sp", measure_memory=True),
+                "dtensor_sp": tp.TensorParallelRun(kind="dtensor_sp")}
+    outs = launch.run(harness.sweep, 2, args=(s, variants), timeout_s=180)[0].value
+    for name, out in outs.items():
+        d = harness.max_differences(out.trace, ref)
+        assert d["loss"] < 1e-5 and d["grad"] < 1e-6 and d["param"] < 1e-4, (name, d)
     est = tp.estimate_memory(s, 2, True)
-    mem = outs[0]["memory"]
+    mem = outs["scratch_sp"].memory
     # V/tp embedding rows, replicated norms
     assert mem["weights"] == pytest.approx(est.weights, rel=0.02)
     assert mem["optimizer"] == pytest.approx(est.optimizer, rel=0.02)
@@ -81,7 +85,7 @@ def test_vocab_parallel_cross_entropy_equals_full(n, shards, width, scale, seed)
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, shards * width, generator=g, dtype=torch.float64) * scale
     targets = torch.randint(0, shards * width, (n,), generator=g)
-    got = tp.emulate_vocab_parallel_cross_entropy(logits.float(), targets, shards)
+    got = vocab_parallel.emulate_vocab_parallel_cross_entropy(logits.float(), targets, shards)
     assert got.item() == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-5, abs=1e-5)
 
 
@@ -91,7 +95,7 @@ def test_distributed_vocab_parallel_loss_and_gradient():
     targets = torch.randint(0, 256, (24,), generator=g)
     full = logits.clone().requires_grad_()
     F.cross_entropy(full, targets).backward()
-    ranks = launch.run(tp.cross_entropy_rank, 2, args=(logits, targets), timeout_s=60)
+    ranks = launch.run(vocab_parallel.cross_entropy_rank, 2, args=(logits, targets), timeout_s=60)
     for r in ranks:
         assert r.value[0] == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-6)
     grad = torch.cat([r.value[1] for r in ranks], dim=-1)
@@ -113,18 +117,21 @@ def test_bad_input():
         tp.check_divisible(cfg, 2, seq_len=31, sp=True)
     tp.check_divisible(cfg, 2, seq_len=31, sp=False)  # plain TP does not split the sequence
     with pytest.raises(ValueError, match="V divisible by tp 3"):
-        tp.emulate_vocab_parallel_cross_entropy(torch.zeros(2, 8),
-                                                torch.zeros(2, dtype=torch.long), 3)
+        vocab_parallel.emulate_vocab_parallel_cross_entropy(
+            torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), 3)
     with pytest.raises(ValueError, match="needs a process group"):
-        tp.run_tp(harness.Setup())
-    with pytest.raises(RuntimeError, match="kind must be one of"):
-        launch.run(tp.run_tp, 2, args=(harness.Setup(), "zero"), timeout_s=60)
+        harness.run(harness.Setup(), tp.TensorParallelRun())
+    with pytest.raises(ValueError, match="kind must be one of"):
+        tp.TensorParallelRun(kind="zero")
+    with pytest.raises(RuntimeError, match="tp 2 does not divide seq_len 31"):
+        launch.run(harness.run, 2, timeout_s=60, args=(
+            harness.Setup(seq_len=31), tp.TensorParallelRun(kind="scratch_sp")))
 
 
 def test_wire_bytes_is_the_bus_factor():
     from trainbook.bench.collectives import bus_factor
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
-        assert tp.wire_bytes(op, 1000.0, 8) == bus_factor(op, 8) * 1000.0
-    assert tp.wire_bytes("all_reduce", 1000.0, 4) == 1500.0
+        assert tp_comm.wire_bytes(op, 1000.0, 8) == bus_factor(op, 8) * 1000.0
+    assert tp_comm.wire_bytes("all_reduce", 1000.0, 4) == 1500.0
     with pytest.raises(ValueError, match="unknown collective"):
-        tp.wire_bytes("allreduce", 1000.0, 4)
+        tp_comm.wire_bytes("allreduce", 1000.0, 4)

@@ -2,7 +2,8 @@
 with DTensor, each with or without sequence parallelism) over the torchrun ranks.
 
 Prints, per implementation, the first and last loss and the all-reduces, all-gathers and
-reduce-scatters of one training step as CommDebugMode observes them. NCCL on GPUs, gloo on CPU.
+reduce-scatters of one training step's forward and backward, as the teaching loop's
+CommCounter sees them. NCCL on GPUs, gloo on CPU.
 Example: torchrun --standalone --nproc_per_node 8 -m trainbook tp --d-model 1024 --heads 16
 --kv-heads 8 --seq-len 1024 --batch 8. Chapter: book/parallelism/tensor-parallel
 """
@@ -49,14 +50,15 @@ def run(args) -> int:
     tensor_parallel.check_divisible(cfg, world, setup.seq_len,
                                     sp=any(k.endswith("_sp") for k in kinds))
     with _torchrun.process_group():
-        rows = [_row(kind, tensor_parallel.run_tp(setup, kind)) for kind in kinds]
+        rows = [_row(kind, harness.run(setup, tensor_parallel.TensorParallelRun(kind=kind)))
+                for kind in kinds]
         if _torchrun.is_main():
             print(json.dumps({"ranks": world, "rows": rows}, indent=2) if args.json else
                   f"{world} ranks, {setup.steps} steps\n{table(rows)}")
     return 0
 
 
-def _row(kind: str, out: dict) -> dict:
-    losses = out["trace"].losses
+def _row(kind: str, out: harness.Result) -> dict:
+    losses = out.trace.losses
     return {"kind": kind, "first_loss": losses[0], "last_loss": losses[-1],
-            **{op: out["observed"].get(op, 0) for op in OPS}}
+            **{op: out.calls["forward_backward"].get(op, 0) for op in OPS}}

@@ -255,6 +255,14 @@ class CommCounter(TorchDispatchMode):
         return self._nbytes(args[0])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            # modes run before tensor subclasses: let DTensor desugar the op into the
+            # collectives on local tensors first (CommDebugMode's trick), then count those
+            return NotImplemented
         namespace, name = func.namespace, func.overloadpacket.__name__
         table = self.C10D if namespace == "c10d" else \
             self.FUNCTIONAL if namespace == "_c10d_functional" else {}

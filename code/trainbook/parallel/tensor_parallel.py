@@ -17,9 +17,10 @@ for the same communication volume.
 `parallelize_scratch` applies it to a copy of the reference `trainbook.model.Transformer` from
 outside, by swapping modules (the model's forward runs unchanged), keeping the reference
 parameter names, so `full_tensors` can gather the shards for comparison with
-`harness.reference`. Every collective goes through `Comm`, which counts calls and bytes.
-`parallelize_dtensor` does the same with PyTorch's `parallelize_module`; `run_tp` trains either
-and `sweep` runs several variants in one launch.
+`harness.reference`. Every collective goes through `tp_comm.Comm`, which counts calls and bytes;
+the embedding and the loss are split by vocabulary (`vocab_parallel`). `parallelize_dtensor` does
+the same with PyTorch's `parallelize_module`; `TensorParallelRun` trains either through the
+teaching loop (`harness.run`, `harness.sweep`).
 
 Chapter: book/parallelism/tensor-parallel.
 """
@@ -27,27 +28,22 @@ Chapter: book/parallelism/tensor-parallel.
 from __future__ import annotations
 
 import copy
-import warnings
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..bench.collectives import bus_factor
 from ..configs import ModelConfig
 from ..launch import rank_device
 from ..model import Attention, Transformer
-from ..train.parallelize import tp_plan  # noqa: F401 (the one plan, shown in the chapter)
+from ..train.parallelize import tp_plan
 from . import harness
+from .tp_comm import Comm, enter_tp, exit_tp, mark_replicated, shard_parameter
+from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 KINDS = ("scratch", "scratch_sp", "dtensor", "dtensor_sp")
-# CommDebugMode's op names (c10d ops for plain dist calls, functional ones for DTensor)
-_OP_NAMES = {"allreduce": "all_reduce", "_allgather_base": "all_gather",
-             "_reduce_scatter_base": "reduce_scatter", "all_gather_into_tensor": "all_gather",
-             "reduce_scatter_tensor": "reduce_scatter"}
 
 
 def check_divisible(cfg: ModelConfig, tp: int, seq_len: int | None = None,
@@ -68,141 +64,8 @@ def check_divisible(cfg: ModelConfig, tp: int, seq_len: int | None = None,
 
 
 # ---------------------------------------------------------------------------------------------
-# Counted collectives
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Comm:
-    """The TP group (here: all ranks) and a tally of collectives by (op, phase, where).
-
-    Bytes are those of the full tensor a collective works on (the all-reduce buffer, the
-    all-gather's output, the reduce-scatter's input); `wire_bytes` gives what each rank sends.
-    """
-
-    tp: int
-    rank: int
-    sp: bool = False
-    counts: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
-
-    def record(self, op: str, phase: str, where: str, t: torch.Tensor) -> None:
-        c = self.counts[(op, phase, where)]
-        c[0] += 1
-        c[1] += t.numel() * t.element_size()
-
-    def all_reduce(self, x, phase, where, op=dist.ReduceOp.SUM):
-        x = x.contiguous().clone()  # gloo: contiguous; clone: never modify a saved tensor
-        self.record("all_reduce", phase, where, x)
-        dist.all_reduce(x, op=op)
-        return x
-
-    def all_gather(self, x, dim, phase, where):
-        """Concatenate every rank's x along dim (each rank holds one contiguous chunk)."""
-        x = x.movedim(dim, 0).contiguous()
-        out = x.new_empty((self.tp * x.shape[0], *x.shape[1:]))
-        self.record("all_gather", phase, where, out)
-        dist.all_gather_single(out, x)
-        return out.movedim(0, dim).contiguous()  # one copy, shared by every layer that reads it
-
-    def reduce_scatter(self, x, dim, phase, where):
-        """Sum x over ranks and keep this rank's chunk along dim."""
-        x = x.movedim(dim, 0).contiguous()
-        self.record("reduce_scatter", phase, where, x)
-        out = x.new_empty((x.shape[0] // self.tp, *x.shape[1:]))
-        dist.reduce_scatter_single(out, x)
-        return out.movedim(0, dim).contiguous()
-
-    def table(self) -> list[dict]:
-        return [{"op": op, "phase": ph, "where": w, "calls": c, "bytes": b}
-                for (op, ph, w), (c, b) in sorted(self.counts.items())]
-
-
-def wire_bytes(op: str, nbytes: float, n: int) -> float:
-    """Bytes each rank sends in a ring collective over n ranks on a tensor of nbytes:
-    `bench.collectives.bus_factor` x nbytes (2(n-1)/n for all-reduce, (n-1)/n otherwise)."""
-    return bus_factor(op, n) * nbytes
-
-
-# ---------------------------------------------------------------------------------------------
-# The conjugate operators: f / g (TP), and their sequence-parallel versions
-# ---------------------------------------------------------------------------------------------
-
-class CopyToTP(torch.autograd.Function):
-    """f: identity forward; all-reduce backward (each rank holds part of the input gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, comm, where):
-        ctx.comm, ctx.where = comm, where
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad, "backward", ctx.where), None, None
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward (sum the partial outputs); identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm, where):
-        return comm.all_reduce(x, "forward", where)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class GatherSequence(torch.autograd.Function):
-    """SP entry: all-gather the sequence shards forward; reduce-scatter the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm, where):
-        ctx.comm, ctx.where = comm, where
-        return comm.all_gather(x, 1, "forward", where)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.reduce_scatter(grad, 1, "backward", ctx.where), None, None
-
-
-class ScatterSequence(torch.autograd.Function):
-    """SP exit: reduce-scatter partial sums to sequence shards forward; all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm, where):
-        ctx.comm, ctx.where = comm, where
-        return comm.reduce_scatter(x, 1, "forward", where)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_gather(grad, 1, "backward", ctx.where), None, None
-
-
-def enter_tp(x, comm: Comm, where: str = "block"):
-    """Into a TP region: f (TP), or all-gather the sequence (TP + SP)."""
-    return (GatherSequence if comm.sp else CopyToTP).apply(x, comm, where)
-
-
-def exit_tp(x, comm: Comm, where: str = "block"):
-    """Out of a TP region: g (TP), or reduce-scatter to sequence shards (TP + SP)."""
-    return (ScatterSequence if comm.sp else ReduceFromTP).apply(x, comm, where)
-
-
-# ---------------------------------------------------------------------------------------------
 # Layers: each takes the full reference layer and keeps this rank's slice
 # ---------------------------------------------------------------------------------------------
-
-def _shard(t: torch.Tensor, dim: int, comm: Comm) -> nn.Parameter:
-    p = nn.Parameter(t.detach().chunk(comm.tp, dim)[comm.rank].clone())
-    p.tp_dim = dim  # how full_tensors reassembles it
-    return p
-
-
-def _replicated(p: nn.Parameter, comm: Comm) -> nn.Parameter:
-    """A parameter every rank holds whole. Under SP it sees only a sequence shard, so its
-    gradient is partial and must be all-reduced (`sync_sequence_parallel_grads`)."""
-    p.sp_partial = comm.sp
-    return p
-
 
 class ColumnParallelLinear(nn.Module):
     """Y_i = X A_i: this rank's output features. No communication: the caller enters the TP
@@ -210,8 +73,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, comm: Comm):
         super().__init__()
-        self.weight = _shard(linear.weight, 0, comm)
-        self.bias = _shard(linear.bias, 0, comm) if linear.bias is not None else None
+        self.weight = shard_parameter(linear.weight, 0, comm)
+        self.bias = shard_parameter(linear.bias, 0, comm) if linear.bias is not None else None
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
@@ -224,8 +87,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, comm: Comm):
         super().__init__()
         self.comm = comm
-        self.weight = _shard(linear.weight, 1, comm)
-        self.bias = (_replicated(copy.deepcopy(linear.bias), comm)
+        self.weight = shard_parameter(linear.weight, 1, comm)
+        self.bias = (mark_replicated(copy.deepcopy(linear.bias), comm)
                      if linear.bias is not None else None)
 
     def forward(self, x):
@@ -268,102 +131,6 @@ class TPMLP(nn.Module):
         return self.down(F.gelu(self.up(x), approximate="tanh"))
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Each rank holds V / tp rows; ids outside its range look up zeros; the partial
-    embeddings are summed (all-reduce), or reduce-scattered to sequence shards under SP."""
-
-    def __init__(self, embed: nn.Embedding, comm: Comm):
-        super().__init__()
-        self.comm = comm
-        self.weight = _shard(embed.weight, 0, comm)
-        self.start = comm.rank * self.weight.shape[0]
-
-    def forward(self, idx):
-        local = idx - self.start
-        inside = (local >= 0) & (local < self.weight.shape[0])
-        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
-        return exit_tp(out * inside.unsqueeze(-1), self.comm, "embed")
-
-
-# ---------------------------------------------------------------------------------------------
-# Vocabulary-parallel cross-entropy: three all-reduces of one number per token
-# ---------------------------------------------------------------------------------------------
-
-def _local_max(logits):
-    return logits.max(dim=-1).values
-
-
-def _local_sum_exp(logits, gmax):
-    return (logits - gmax.unsqueeze(-1)).exp().sum(dim=-1)
-
-
-def _local_target_logit(logits, targets, start):
-    local = targets - start
-    inside = (local >= 0) & (local < logits.shape[-1])
-    picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    return picked * inside, local, inside
-
-
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of logits split by vocabulary, (N, V/tp) per rank, without gathering
-    them: loss = log sum_v exp(z_v - m) + m - z_target, where the max m, the sum and z_target
-    are each all-reduced. Backward is local: softmax minus one-hot, on this rank's columns."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, comm, start):
-        logits = logits.float()
-        gmax = comm.all_reduce(_local_max(logits), "forward", "loss", op=dist.ReduceOp.MAX)
-        total = comm.all_reduce(_local_sum_exp(logits, gmax), "forward", "loss")
-        picked, local, inside = _local_target_logit(logits, targets, start)
-        target = comm.all_reduce(picked, "forward", "loss")
-        softmax = (logits - gmax.unsqueeze(-1)).exp() / total.unsqueeze(-1)
-        ctx.save_for_backward(softmax, local.clamp(0, logits.shape[-1] - 1), inside)
-        return (total.log() + gmax - target).mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local, inside = ctx.saved_tensors
-        g = softmax.clone()
-        g[torch.arange(len(g)), local] -= inside.to(g.dtype)
-        return g * (grad / len(g)), None, None, None
-
-
-def vocab_parallel_cross_entropy(logits, targets, comm: Comm, start: int):
-    return VocabParallelCrossEntropy.apply(logits, targets, comm, start)
-
-
-def emulate_vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                                         tp: int) -> torch.Tensor:
-    """The same arithmetic in one process: split (N, V) logits into tp vocabulary shards, run each
-    rank's local step, and combine as the all-reduces would. Equals F.cross_entropy."""
-    if logits.dim() != 2 or logits.shape[-1] % tp:
-        raise ValueError(f"need (N, V) logits with V divisible by tp {tp}, "
-                         f"got {tuple(logits.shape)}")
-    shards = logits.float().chunk(tp, dim=-1)
-    starts = [i * shards[0].shape[-1] for i in range(tp)]
-    gmax = torch.stack([_local_max(s) for s in shards]).max(0).values
-    total = torch.stack([_local_sum_exp(s, gmax) for s in shards]).sum(0)
-    target = torch.stack([_local_target_logit(s, targets, a)[0]
-                          for s, a in zip(shards, starts)]).sum(0)
-    return (total.log() + gmax - target).mean()
-
-
-def cross_entropy_rank(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Run on every rank with the same full (N, V) logits: this rank keeps its V / tp columns,
-    computes the vocabulary-parallel loss and its gradient. Returns (loss, gradient shard), to
-    check against F.cross_entropy (tests and notebook)."""
-    if not dist.is_initialized():
-        raise ValueError("cross_entropy_rank runs inside a process group (launch.run)")
-    comm = Comm(dist.get_world_size(), dist.get_rank())
-    if logits.dim() != 2 or logits.shape[-1] % comm.tp:
-        raise ValueError(f"need (N, V) logits with V divisible by tp {comm.tp}, "
-                         f"got {tuple(logits.shape)}")
-    local = logits.chunk(comm.tp, dim=-1)[comm.rank].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, targets, comm, comm.rank * local.shape[-1])
-    loss.backward()
-    return loss.item(), local.grad
-
-
 # ---------------------------------------------------------------------------------------------
 # The whole model
 # ---------------------------------------------------------------------------------------------
@@ -375,7 +142,7 @@ class SequenceParallelPositions(nn.Embedding):
     def __init__(self, pos: nn.Embedding, comm: Comm):
         super().__init__(pos.num_embeddings, pos.embedding_dim)
         self.comm = comm
-        self.weight = _replicated(nn.Parameter(pos.weight.detach().clone()), comm)
+        self.weight = mark_replicated(nn.Parameter(pos.weight.detach().clone()), comm)
 
     def forward(self, positions):
         full = super().forward(positions)  # (T, d_model)
@@ -411,10 +178,10 @@ def parallelize_scratch(model: Transformer, comm: Comm) -> Transformer:
         model.pos = SequenceParallelPositions(model.pos, comm)
     for block in model.layers():
         for p in (*block.attn_norm.parameters(), *block.mlp_norm.parameters()):
-            _replicated(p, comm)
+            mark_replicated(p, comm)
         block.attn, block.mlp = TPAttention(block.attn, comm), TPMLP(block.mlp, comm)
     for p in model.norm.parameters():
-        _replicated(p, comm)
+        mark_replicated(p, comm)
     model.head = ParallelHead(model.head, comm)
     if model.cfg.tied:
         model.head.weight = model.embed.weight  # the same V / tp rows serve both
@@ -442,9 +209,10 @@ def sync_sequence_parallel_grads(model: nn.Module, comm: Comm) -> None:
         p.grad.copy_(g.view_as(p))
 
 
-def full_tensors(model: nn.Module, what: str = "grad") -> dict[str, torch.Tensor]:
-    """Gradients ('grad') or weights ('data') by reference name, shards gathered to full size.
-    Works for both the scratch model (tp_dim attributes) and DTensor parameters."""
+def full_tensors(model: nn.Module, what: str = "grad", group=None) -> dict[str, torch.Tensor]:
+    """Gradients ('grad') or weights ('data') by reference name, shards gathered to full size
+    over `group` (default: all ranks). Works for both the scratch model (tp_dim attributes) and
+    DTensor parameters."""
     from torch.distributed.tensor import DTensor
 
     out = {}
@@ -453,8 +221,8 @@ def full_tensors(model: nn.Module, what: str = "grad") -> dict[str, torch.Tensor
         if isinstance(t, DTensor):
             out[name] = t.full_tensor().detach().clone()
         elif getattr(p, "tp_dim", None) is not None:
-            parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, t.detach().contiguous())
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.detach().contiguous(), group=group)
             out[name] = torch.cat(parts, dim=p.tp_dim)
         else:
             out[name] = t.detach().clone()
@@ -493,14 +261,16 @@ def theory_counts(cfg: ModelConfig, sp: bool, batch: int, seq_len: int) -> list[
 # Native: DTensor parallelize_module
 # ---------------------------------------------------------------------------------------------
 
-def parallelize_dtensor(model: Transformer, sp: bool = False, shared_input: bool = True):
-    """Shard the reference model in place with DTensor over all ranks; returns (model, mesh)."""
+def parallelize_dtensor(model: Transformer, sp: bool = False, shared_input: bool = True,
+                        mesh=None):
+    """Shard the reference model in place with DTensor over the 1-D `mesh` (default: all ranks);
+    returns (model, mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    tp = dist.get_world_size()
-    check_divisible(model.cfg, tp)
-    mesh = init_device_mesh(rank_device().type, (tp,))
+    if mesh is None:  # an explicit device: the default mesh follows the accelerator
+        mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
+    check_divisible(model.cfg, mesh.size())
     parallelize_module(model, mesh, tp_plan(model, sp, shared_input))
     if model.cfg.tied:  # parallelize_module replaced head and embedding weights separately
         model.head.weight = model.embed.weight
@@ -508,106 +278,65 @@ def parallelize_dtensor(model: Transformer, sp: bool = False, shared_input: bool
 
 
 # ---------------------------------------------------------------------------------------------
-# Training runs, counted and measured
+# Training through the teaching loop
 # ---------------------------------------------------------------------------------------------
 
-def _build(setup: harness.Setup, kind: str, shared_input: bool = True):
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    if not dist.is_initialized():
-        raise ValueError("tensor parallelism needs a process group: run under torchrun or "
-                         "trainbook.launch.run")
-    tp, sp = dist.get_world_size(), kind.endswith("_sp")
-    check_divisible(setup.model_config(), tp, setup.seq_len, sp)
-    model = harness.build_model(setup).to(rank_device())
-    if kind.startswith("scratch"):
-        comm = Comm(tp, dist.get_rank(), sp)
-        return parallelize_scratch(model, comm), comm
-    return parallelize_dtensor(model, sp, shared_input)[0], None
+@dataclass(kw_only=True)
+class TensorParallelRun(harness.Technique):
+    """The reference model with tensor parallelism over the mesh's "tp" ranks, every rank on the
+    whole global batch: from scratch (`scratch`, `scratch_sp`) or with DTensor (`dtensor`,
+    `dtensor_sp`; `shared_input=False` lets each column layer convert its own input). Stats:
+    the scratch `Comm` tally of the first step (by op, phase and where), this rank."""
 
+    kind: str = "scratch"
+    shared_input: bool = True
+    mesh_dim: str = "tp"
 
-def _forward_backward(model, comm: Comm | None, x, y):
-    """Forward and backward; comm None means DTensor (the loss under loss_parallel)."""
-    if comm is None:
-        from torch.distributed.tensor.parallel import loss_parallel
-        with loss_parallel():
-            logits, loss = model(x, y)
-            loss.backward()
-    else:
-        logits, loss = scratch_loss(model, comm, x, y)
-        loss.backward()
-        sync_sequence_parallel_grads(model, comm)
-    return logits, loss
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
 
-
-def _step_fn(comm: Comm | None):
-    """One training step: forward, backward (with the SP gradient sum), optimizer."""
-    def step(model, optimizer, x, y):
-        logits, loss = _forward_backward(model, comm, x, y)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        del logits
-        return loss
-    return step
-
-
-def _op_name(op) -> str:
-    name = str(op).split(".")[-1]
-    return _OP_NAMES.get(name.rstrip("_"), name)
-
-
-def _scalar(loss) -> float:
-    return (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).item()
-
-
-def run_tp(setup: harness.Setup, kind: str = "scratch", measure_memory: bool = False,
-           shared_input: bool = True) -> dict:
-    """Train the reference model with tensor parallelism over all ranks (every rank sees the
-    whole global batch). Returns the trace in reference names, the collectives of the first
-    step (scratch: counted by Comm; every kind: as CommDebugMode observes them, by op, in forward
-    and backward and, separately, in the optimizer step) and, optionally, this rank's
-    peak memory of one more step."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    model, comm = _build(setup, kind, shared_input)
-    opt = harness.make_optimizer(setup, model.parameters())
-    step = _step_fn(comm)
-    losses, first, counts, observed, in_optimizer = [], {}, None, {}, {}
-    for i, (x, y) in enumerate(harness.global_batches(setup)):
-        x, y = x.to(rank_device()), y.to(rank_device())
-        if i == 0:  # count the first step's collectives and keep its full gradients
-            mode = CommDebugMode()
-            with mode, warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Full backward hook")
-                _, loss = _forward_backward(model, comm, x, y)
-            first = full_tensors(model, "grad")
-            counts = comm.table() if comm is not None else None
-            observed = {_op_name(k): v for k, v in mode.get_comm_counts().items()}
-            # DTensor reduces Partial gradients when the optimizer reads them
-            in_step = CommDebugMode()
-            with in_step:
-                opt.step()
-            in_optimizer = {_op_name(k): v for k, v in in_step.get_comm_counts().items()}
-            opt.zero_grad(set_to_none=True)
+    def build(self, setup: harness.Setup, mesh) -> None:
+        if mesh is None:
+            raise ValueError("tensor parallelism needs a process group: run under torchrun or "
+                             "trainbook.launch.run(harness.sweep, nprocs, ...)")
+        self.group = mesh["tp"].get_group()
+        tp, sp = mesh.size(), self.kind.endswith("_sp")
+        check_divisible(setup.model_config(), tp, setup.seq_len, sp)
+        model = harness.build_model(setup).to(rank_device())
+        if self.kind.startswith("scratch"):
+            self.comm = Comm(tp, dist.get_rank(self.group), sp, group=self.group)
+            self.model = parallelize_scratch(model, self.comm)
         else:
-            loss = step(model, opt, x, y)
-        losses.append(_scalar(loss))
-    cpu = lambda d: {k: v.cpu() for k, v in d.items()}  # noqa: E731
-    trace = harness.Trace(losses, cpu(first), cpu(full_tensors(model, "data")))
-    out = {"kind": kind, "trace": trace, "counts": counts, "observed": observed,
-           "in_optimizer": in_optimizer, "rank": dist.get_rank()}
-    if measure_memory:
-        from ..bench.memory_measure import tracked_peak
-        x, y = (t.to(rank_device()) for t in harness.global_batches(setup)[0])
-        out["memory"] = tracked_peak(model, opt, x, y, step=step)
-    return out
+            self.comm = None
+            self.model = parallelize_dtensor(model, sp, self.shared_input, mesh=mesh)[0]
+        self.optimizer = harness.make_optimizer(setup, self.model.parameters())
+        self.first_step_counts = None
 
+    def forward_backward(self, x, y):
+        if self.comm is None:
+            from torch.distributed.tensor.parallel import loss_parallel
+            with loss_parallel():
+                logits, loss = self.model(x, y)
+                loss.backward()
+        else:
+            logits, loss = scratch_loss(self.model, self.comm, x, y)
+            loss.backward()
+            sync_sequence_parallel_grads(self.model, self.comm)
+            if self.first_step_counts is None:
+                self.first_step_counts = self.comm.table()
+        return logits, loss.detach()
 
-def sweep(setup: harness.Setup, variants: list[dict]) -> list[dict]:
-    """run_tp once per variant (its keyword arguments; a "setup" key overrides the setup), in one
-    process group: one launch instead of many, since starting processes costs more than a run."""
-    return [run_tp(v.get("setup", setup), **{k: a for k, a in v.items() if k != "setup"})
-            for v in variants]
+    def gradients(self) -> dict[str, torch.Tensor]:
+        return {n: harness.full_tensor(t)
+                for n, t in full_tensors(self.model, "grad", self.group).items()}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return {n: harness.full_tensor(t)
+                for n, t in full_tensors(self.model, "data", self.group).items()}
+
+    def stats(self) -> dict:
+        return {"counts": self.first_step_counts, "rank": dist.get_rank(self.group)}
 
 
 def estimate_memory(setup: harness.Setup, tp: int, sp: bool):
