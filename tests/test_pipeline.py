@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 from trainbook import launch
 from trainbook.parallel import harness
 from trainbook.parallel import pipeline as pp
+from trainbook.parallel import pipeline_schedules as ps
 
 SETUP = harness.Setup(n_layers=4, steps=2)  # 4 layers: 2 stages, or 2 ranks x 2 chunks
 
@@ -12,9 +13,9 @@ SETUP = harness.Setup(n_layers=4, steps=2)  # 4 layers: 2 stages, or 2 ranks x 2
 @pytest.fixture(scope="module")
 def runs():
     """Every schedule in one launch (starting processes costs more than these tiny runs)."""
-    variants = [dict(kind=k, microbatches=4) for k in pp.KINDS]
-    per_rank = launch.run(pp.sweep, 2, args=(SETUP, variants), timeout_s=240)
-    return {v["kind"]: [r.value[i] for r in per_rank] for i, v in enumerate(variants)}
+    variants = {k: pp.PipelineRun(kind=k, microbatches=4) for k in pp.KINDS}
+    per_rank = launch.run(harness.sweep, 2, args=(SETUP, variants), timeout_s=240)
+    return {k: [r.value[k] for r in per_rank] for k in variants}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def ref():
 @pytest.mark.parametrize("kind", pp.KINDS)
 def test_schedules_match_single_process(runs, ref, kind):
     for out in runs[kind]:  # every rank returns the gathered trace
-        d = harness.max_differences(out["trace"], ref)
+        d = harness.max_differences(out.trace, ref)
         assert d["loss"] < 1e-5 and d["grad"] < 1e-6 and d["param"] < 1e-6, (kind, d)  # SGD: exact
 
 
@@ -67,28 +68,29 @@ def test_zero_bubble_splits_backward_and_plans(runs):
 
 
 def test_schedule_order_and_bubble():
-    assert pp.schedule_order("1f1b", 4, 8, 3)[:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
-    order = pp.schedule_order("1f1b", 4, 8, 0)
+    assert ps.schedule_order("1f1b", 4, 8, 3)[:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    order = ps.schedule_order("1f1b", 4, 8, 0)
     assert order[:4] == [("F", 0), ("F", 1), ("F", 2), ("F", 3)]  # p - 1 warm-up, then 1F1B
-    for kind in pp.SCRATCH:
+    for kind in ps.SCRATCH:
         for s in range(4):
-            o = pp.schedule_order(kind, 4, 8, s)
+            o = ps.schedule_order(kind, 4, 8, s)
             assert sorted(o) == sorted([("F", i) for i in range(8)] + [("B", i) for i in range(8)])
             assert all(o.index(("F", i)) < o.index(("B", i)) for i in range(8))
-    assert pp.bubble_fraction(2, 4) == pytest.approx(1 / 5)
-    assert pp.bubble_over_compute(8, 32) == pytest.approx(7 / 32)
-    assert pp.bubble_over_compute(8, 32, v=2) == pytest.approx(7 / 64)  # Megatron Sec 2.2.2
+    assert ps.bubble_fraction(2, 4) == pytest.approx(1 / 5)
+    assert ps.bubble_over_compute(8, 32) == pytest.approx(7 / 32)
+    assert ps.bubble_over_compute(8, 32, v=2) == pytest.approx(7 / 64)  # Megatron Sec 2.2.2
 
 
 def test_tied_gpt2_and_memory():
     s = harness.Setup(flavour="gpt2", n_kv_heads=4, n_layers=2, steps=1)
-    variants = [dict(kind="1f1b", microbatches=4, memory=True),
-                dict(kind="gpipe", microbatches=4, memory=True)]
-    per_rank = launch.run(pp.sweep, 2, args=(s, variants), timeout_s=240)
+    variants = {k: pp.PipelineRun(kind=k, microbatches=4, measure_memory=True)
+                for k in ("1f1b", "gpipe")}
+    per_rank = launch.run(harness.sweep, 2, args=(s, variants), timeout_s=240)
     ref = harness.reference(s)
-    d = harness.max_differences(per_rank[0].value[0]["trace"], ref)
+    d = harness.max_differences(per_rank[0].value["1f1b"].trace, ref)
     assert d["grad"] < 1e-6 and d["param"] < 1e-6, d  # tied embedding: grads summed over stages
-    one, gpipe = per_rank[0].value[0]["memory"], per_rank[0].value[1]["memory"]
+    one = [r.value["1f1b"].memory for r in per_rank]  # by rank, that is by stage
+    gpipe = [r.value["gpipe"].memory for r in per_rank]
     for mem in one + gpipe:
         assert mem["peak"] > mem["weights"] > 0
     # stage 0 holds 4 micro-batches under GPipe, 2 under 1F1B
@@ -101,7 +103,7 @@ def test_schedule_orders_are_valid_and_bound_memory(p, extra, data):
     m = p + extra
     stage = data.draw(st.integers(0, p - 1))
     for kind, bound in (("gpipe", m), ("1f1b", p - stage)):
-        order = pp.schedule_order(kind, p, m, stage)
+        order = ps.schedule_order(kind, p, m, stage)
         assert [i for op, i in order if op == "F"] == list(range(m))  # in micro-batch order
         assert [i for op, i in order if op == "B"] == list(range(m))
         live, peak = set(), 0
@@ -115,11 +117,13 @@ def test_bad_input():
     with pytest.raises(ValueError, match="do not split into 3 equal stages"):
         pp.split_model(harness.build_model(SETUP), 3, 0)
     with pytest.raises(ValueError, match="one of"):
-        pp.schedule_order("zb", 2, 4, 0)
+        ps.schedule_order("zb", 2, 4, 0)
     with pytest.raises(ValueError, match="positive integer"):
-        pp.bubble_fraction(0, 4)
+        ps.bubble_fraction(0, 4)
     with pytest.raises(ValueError, match="needs a process group"):
-        pp.run_pipeline(SETUP)
+        harness.run(SETUP, pp.PipelineRun())
+    with pytest.raises(ValueError, match="kind must be one of"):
+        pp.PipelineRun(kind="dualpipe")
     with pytest.raises(ValueError, match="needs at least 2 micro-batches"):
         pp.validate(SETUP, "1f1b", 1, 2)
     with pytest.raises(ValueError, match="needs microbatches >= 2"):

@@ -171,6 +171,10 @@ class Technique:
         """What the technique counted over the run (bytes, calls, buckets, ...), by name."""
         return {}
 
+    def memory_tracker_cls(self):
+        """The MemTracker class for `measure_memory` (None: PyTorch's own)."""
+        return None
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """One whole step, for the memory tracker: the logits live until the optimizer ran."""
         logits, _ = self.forward_backward(x, y)
@@ -312,7 +316,8 @@ def run(setup: Setup, technique: Technique | None = None, name: str = "") -> Res
         technique.build(setup, mesh)
         x, y = (t.to(device) for t in technique.local_batch(*global_batches(setup)[0]))
         result.memory = tracked_peak(technique.model, technique.optimizer, x, y,
-                                     step=lambda _m, _o, xb, yb: technique.train_step(xb, yb))
+                                     step=lambda _m, _o, xb, yb: technique.train_step(xb, yb),
+                                     tracker_cls=technique.memory_tracker_cls())
     return result
 
 

@@ -20,7 +20,9 @@ Two schedules, the only difference is the order of the same F and B operations o
 Both leave the same bubble, (p - 1) idle slots per rank out of m + p - 1. Every F and B is timed
 (perf_counter, zero at a barrier), so the timelines in the book are measured, not drawn. The
 native `torch.distributed.pipelining` schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) run
-on the same stage modules for comparison.
+on the same stage modules for comparison. `PipelineRun` trains any of them through the teaching
+loop over the mesh's "pp" ranks; the orders and the bubble arithmetic are in
+`pipeline_schedules`.
 
 Tied embeddings (the gpt2 flavour) put one matrix on the first and on the last stage; its two
 gradient contributions are summed with an all-reduce between those two ranks after the backward
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,26 +45,16 @@ from ..launch import rank_device
 from ..model import lm_loss
 from ..train.parallelize import Stage, split_model  # noqa: F401 (the one Stage, re-exported)
 from . import harness
-
-SCRATCH = ("gpipe", "1f1b")
-NATIVE = ("native-gpipe", "native-1f1b", "native-interleaved", "native-zero-bubble")
-KINDS = SCRATCH + NATIVE
-
-
-def schedule_order(kind: str, p: int, m: int, stage: int) -> list[tuple[str, int]]:
-    """The (op, micro-batch) order one stage runs: ("F", i) or ("B", i)."""
-    if kind == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    if kind != "1f1b":
-        raise ValueError(f"from-scratch schedule must be one of {SCRATCH}, got {kind!r}")
-    warmup = min(p - 1 - stage, m)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):  # steady state: one forward, then the oldest backward
-        order += [("F", warmup + i), ("B", i)]
-    return order + [("B", i) for i in range(m - warmup, m)]
-
-
-device = rank_device  # this rank's device: its GPU under NCCL, else the CPU
+from .pipeline_schedules import (
+    KINDS,
+    NATIVE,
+    SCRATCH,
+    check_microbatches,
+    native_schedule,
+    native_stage_indices,
+    planned,
+    schedule_order,
+)
 
 
 def _sync() -> None:
@@ -72,12 +65,12 @@ def _sync() -> None:
 class Events:
     """Per-rank timeline: (op, micro-batch, start, end) in seconds from a shared zero."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, group=None):
         self.rank, self.rows = rank, []
-        dist.barrier()  # ranks leave the barrier at nearly the same time: the common zero
+        dist.barrier(group=group)  # ranks leave the barrier at nearly the same time: a common 0
         here = (socket.gethostname(), time.perf_counter())
-        zeros = [None] * dist.get_world_size()
-        dist.all_gather_object(zeros, here)
+        zeros = [None] * dist.get_world_size(group)
+        dist.all_gather_object(zeros, here, group=group)
         # perf_counter is one monotonic clock per machine: on one host take rank 0's zero
         # exactly; across hosts the barrier is the best alignment (skew ~ its latency)
         self.t0 = zeros[0][1] if zeros[0][0] == here[0] else here[1]
@@ -93,14 +86,16 @@ class Events:
         return out
 
 
-def scratch_step(stage: Stage, x, y, kind: str, m: int, events: Events | None = None) -> dict:
+def scratch_step(stage: Stage, x, y, kind: str, m: int, events: Events | None = None,
+                 group=None) -> dict:
     """One pipeline step of the from-scratch schedule `kind` on this rank's stage.
 
     x, y: the whole global batch (every rank has the data; only the ends use it). Returns the
     micro-batch losses (last stage) and the peak number of micro-batches in flight (forward done,
-    backward not yet). Gradients accumulate in the stage's parameters.
+    backward not yet). Gradients accumulate in the stage's parameters. `group`: the pipeline's
+    ranks in stage order (default: all ranks).
     """
-    rank, p = dist.get_rank(), dist.get_world_size()
+    rank, p = dist.get_rank(group), dist.get_world_size(group)
     if len(x) % m:
         raise ValueError(f"global batch {len(x)} does not split into {m} micro-batches")
     xs, ys = x.chunk(m), y.chunk(m)
@@ -116,14 +111,14 @@ def scratch_step(stage: Stage, x, y, kind: str, m: int, events: Events | None = 
             inp = xs[i]
         else:
             inp = torch.empty(shape, device=x.device)
-            dist.recv(inp, src=rank - 1)
+            dist.recv(inp, group=group, group_src=rank - 1)
             inp.requires_grad_()
         if stage.is_last:  # each micro-batch carries 1/m of the mean loss
             out = timed("F", i, lambda: lm_loss(stage(inp), ys[i]) / m)
             losses[i] = out.detach() * m
         else:
             out = timed("F", i, stage, inp)
-            sends.append(dist.isend(out.detach().contiguous(), dst=rank + 1))
+            sends.append(dist.isend(out.detach().contiguous(), group=group, group_dst=rank + 1))
         saved[i] = (inp, out)
 
     def backward(i):
@@ -131,10 +126,10 @@ def scratch_step(stage: Stage, x, y, kind: str, m: int, events: Events | None = 
         grad = None
         if not stage.is_last:
             grad = torch.empty(shape, device=x.device)
-            dist.recv(grad, src=rank + 1)
+            dist.recv(grad, group=group, group_src=rank + 1)
         timed("B", i, out.backward, grad)
         if not stage.is_first:
-            sends.append(dist.isend(inp.grad.contiguous(), dst=rank - 1))
+            sends.append(dist.isend(inp.grad.contiguous(), group=group, group_dst=rank - 1))
 
     for op, i in schedule_order(kind, p, m, rank):
         (forward if op == "F" else backward)(i)
@@ -159,38 +154,10 @@ def sync_tied(stage_modules: list[Stage], first_and_last) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Native: torch.distributed.pipelining
+# Training through the teaching loop
 # ---------------------------------------------------------------------------------------------
 
-def native_stage_indices(kind: str, p: int, rank: int) -> tuple[int, list[int]]:
-    """(number of stages, the stage indices this rank holds) for a native schedule."""
-    if kind in ("native-gpipe", "native-1f1b"):
-        return p, [rank]
-    if kind == "native-interleaved":  # loop: rank r holds r, r + p
-        return 2 * p, [rank, rank + p]
-    if kind == "native-zero-bubble":  # V shape (ZBV): rank r holds r and 2p - 1 - r
-        return 2 * p, [rank, 2 * p - 1 - rank]
-    raise ValueError(f"native schedule must be one of {NATIVE}, got {kind!r}")
-
-
-def native_schedule(kind: str, stages: list, m: int):
-    """The torch.distributed.pipelining schedule object for `kind` over this rank's stages."""
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleZBVZeroBubble,
-    )
-    if kind == "native-gpipe":
-        return ScheduleGPipe(stages[0], m, loss_fn=lm_loss)
-    if kind == "native-1f1b":
-        return Schedule1F1B(stages[0], m, loss_fn=lm_loss)
-    if kind == "native-interleaved":
-        return ScheduleInterleaved1F1B(stages, m, loss_fn=lm_loss)
-    return ScheduleZBVZeroBubble(stages, m, loss_fn=lm_loss)
-
-
-def _time_native(stage, events: Events) -> None:
+def time_native(stage, events: Events) -> None:
     """Wrap a PipelineStage's per-micro-batch compute calls so they land on the timeline."""
     fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
     bww = stage.backward_weight_one_chunk
@@ -211,131 +178,11 @@ def _time_native(stage, events: Events) -> None:
     stage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
-def planned(sched) -> dict[int, list[str | None]]:
-    """A native schedule's planned compute actions per rank ("0F1": stage 0, forward,
-    micro-batch 1; "I"/"W": the input and weight halves of a split backward; None: an idle
-    slot). This is the plan every rank computes, not a measurement."""
-    order = sched.pipeline_order or {}
-    return {r: [None if a is None else str(a) for a in acts if a is None or a.is_compute_op]
-            for r, acts in order.items()}
-
-
-def _check_microbatches(kind: str, p: int, m: int) -> None:
-    if m < 1:
-        raise ValueError(f"microbatches must be >= 1, got {m}")
-    if kind == "1f1b" and m < p:
-        raise ValueError(f"1F1B with {p} stages needs at least {p} micro-batches to reach its "
-                         f"steady state, got {m}; raise microbatches")
-    if kind in ("native-interleaved", "native-zero-bubble") and m < p:
-        raise ValueError(f"{kind} needs microbatches >= {p} stages per round, got {m}")
-
-
-# ---------------------------------------------------------------------------------------------
-# One run per rank, and a sweep
-# ---------------------------------------------------------------------------------------------
-
-def _build(setup: harness.Setup, kind: str, m: int):
-    """This rank's stage modules and a function that runs one pipeline step on them."""
-    rank, p = dist.get_rank(), dist.get_world_size()
-    model = harness.build_model(setup).to(device())
-    first_and_last = dist.new_group([0, p - 1]) if model.cfg.tied and p > 1 else None
-    if kind in SCRATCH:
-        stages, sched = [split_model(model, p, rank)], None
-
-        def step(x, y, events=None):
-            out = scratch_step(stages[0], x, y, kind, m, events)
-            return out["losses"], out["in_flight"]
-    else:
-        from torch.distributed.pipelining import PipelineStage
-
-        n_stages, idx = native_stage_indices(kind, p, rank)
-        stages = [split_model(model, n_stages, i) for i in idx]
-        pipes = [PipelineStage(st, i, n_stages, device()) for st, i in zip(stages, idx)]
-        sched = native_schedule(kind, pipes, m)
-        holds_first, holds_last = 0 in idx, n_stages - 1 in idx
-
-        def step(x, y, events=None):
-            if events is not None:
-                for pipe in pipes:
-                    _time_native(pipe, events)
-            losses = [] if holds_last else None
-            sched.step(*((x,) if holds_first else ()), target=y if holds_last else None,
-                       losses=losses, return_outputs=False)
-            for pipe in pipes:  # drop the timing wrappers again
-                for name in ("forward_one_chunk", "backward_one_chunk",
-                             "backward_weight_one_chunk"):
-                    pipe.__dict__.pop(name, None)
-            return ([t.detach() for t in losses] if holds_last else [None] * m), None
-    del model
-
-    def train_step(x, y, events=None):
-        losses, in_flight = step(x, y, events)
-        if first_and_last is not None:
-            sync_tied(stages, first_and_last)
-        return losses, in_flight
-
-    return stages, train_step, (planned(sched) if sched is not None else None)
-
-
-def validate(setup: harness.Setup, kind: str, microbatches: int, ranks: int) -> None:
-    """Reject a layout the schedule cannot run, before any process starts waiting on another."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    if ranks < 2:
-        raise ValueError(f"a pipeline needs at least 2 ranks, got {ranks}")
-    _check_microbatches(kind, ranks, microbatches)
-    n_stages = native_stage_indices(kind, ranks, 0)[0] if kind in NATIVE else ranks
-    if setup.n_layers % n_stages:
-        raise ValueError(f"{setup.n_layers} layers do not split into {n_stages} equal stages "
-                         f"({kind} on {ranks} ranks); use a multiple of {n_stages} layers")
-    if setup.global_batch % microbatches:
-        raise ValueError(f"global batch {setup.global_batch} does not split into "
-                         f"{microbatches} micro-batches")
-
-
-def _last_rank(kind: str, p: int) -> int:
-    return 0 if kind == "native-zero-bubble" else p - 1
-
-
-def run_pipeline(setup: harness.Setup, kind: str = "1f1b", microbatches: int = 4,
-                 memory: bool = False) -> dict:
-    """Train `setup` with pipeline schedule `kind` over all ranks of the process group.
-
-    Returns (the same on every rank): the trace (losses, first-step gradients and final
-    parameters under the reference names, gathered from all stages), the last step's measured
-    events of every rank, the peak micro-batches in flight per rank (scratch schedules) and,
-    with memory=True, each rank's peak tensor bytes by category for one extra step.
-    """
-    if not dist.is_initialized():
-        raise ValueError("run_pipeline needs a process group: use trainbook.launch.run")
-    rank, p = dist.get_rank(), dist.get_world_size()
-    validate(setup, kind, microbatches, p)
-    stages, train_step, plan = _build(setup, kind, microbatches)
-    params = [q for st in stages for q in st.parameters()]
-    opt = harness.make_optimizer(setup, params)
-    losses, first, events, in_flight = [], {}, [], None
-    batches = [(x.to(device()), y.to(device())) for x, y in harness.global_batches(setup)]
-    for s, (x, y) in enumerate(batches):
-        last = s == setup.steps - 1  # time the last step: the first includes set-up work
-        ev = Events(rank) if last else None
-        mb_losses, peak = train_step(x, y, ev)
-        if s == 0:
-            first = _named(stages, grads=True)
-        if last:
-            events, in_flight = ev.rows, peak
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = torch.zeros((), device=device())
-        if mb_losses[0] is not None:  # this rank holds the last stage
-            loss = torch.stack(mb_losses).mean()
-        dist.broadcast(loss, src=_last_rank(kind, p))
-        losses.append(loss.item())
-    trace = harness.Trace(losses, _gather(first), _gather(_named(stages, grads=False)))
-    out = {"trace": trace, "events": _all(events), "in_flight": _all(in_flight),
-           "kind": kind, "microbatches": microbatches, "ranks": p, "planned": plan}
-    if memory:
-        out["memory"] = _all(_measure(stages, opt, train_step, *batches[0]))
-    return out
+def _all(obj, group=None) -> list:
+    """Every rank's object, in rank order."""
+    got = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, obj, group=group)
+    return got
 
 
 def _tracker_cls():
@@ -355,88 +202,141 @@ def _tracker_cls():
     return PipelineMemTracker
 
 
-def _measure(stages, opt, train_step, x, y) -> dict:
-    from ..bench.memory_measure import tracked_peak
+@dataclass(kw_only=True)
+class PipelineRun(harness.Technique):
+    """The reference model cut into stages over the mesh's "pp" ranks, the global batch in
+    `microbatches` micro-batches, scheduled by `kind` (from scratch: gpipe, 1f1b; native:
+    torch.distributed.pipelining). Every rank returns the same trace, gathered from all
+    stages. Stats: every rank's timeline of the last step (`events`), the peak micro-batches in
+    flight per rank (scratch schedules) and the native schedule's plan."""
 
-    def step(model, optimizer, xb, yb):
-        train_step(xb, yb)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    kind: str = "1f1b"
+    microbatches: int = 4
+    mesh_dim: str = "pp"
 
-    return tracked_peak(nn.ModuleList(stages), opt, x, y, step=step, tracker_cls=_tracker_cls())
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+    def build(self, setup: harness.Setup, mesh) -> None:
+        if mesh is None:
+            raise ValueError("a pipeline needs a process group: use "
+                             "trainbook.launch.run(harness.sweep, nprocs, ...)")
+        self.group = group = mesh["pp"].get_group()
+        rank, p = dist.get_rank(group), dist.get_world_size(group)
+        validate(setup, self.kind, self.microbatches, p)
+        self.steps, self.step_index, self.events, self.in_flight = setup.steps, 0, [], None
+        model = harness.build_model(setup).to(rank_device())
+        ends = [dist.get_global_rank(group, 0), dist.get_global_rank(group, p - 1)]
+        self.first_and_last = dist.new_group(ends) if model.cfg.tied and p > 1 else None
+        self.plan = None
+        if self.kind in SCRATCH:
+            self.stages = [split_model(model, p, rank)]
+        else:
+            from torch.distributed.pipelining import PipelineStage
+
+            n_stages, idx = native_stage_indices(self.kind, p, rank)
+            self.stages = [split_model(model, n_stages, i) for i in idx]
+            self.pipes = [PipelineStage(st, i, n_stages, rank_device(), group=group)
+                          for st, i in zip(self.stages, idx)]
+            self.schedule = native_schedule(self.kind, self.pipes, self.microbatches)
+            self.holds = (0 in idx, n_stages - 1 in idx)
+            self.plan = planned(self.schedule)
+        self.model = nn.ModuleList(self.stages)  # what the memory tracker follows
+        self.optimizer = harness.make_optimizer(setup, self.model.parameters())
+
+    def _native_step(self, x, y, events):
+        if events is not None:
+            for pipe in self.pipes:
+                time_native(pipe, events)
+        first, last = self.holds
+        losses = [] if last else None
+        self.schedule.step(*((x,) if first else ()), target=y if last else None,
+                           losses=losses, return_outputs=False)
+        for pipe in self.pipes:  # drop the timing wrappers again
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                pipe.__dict__.pop(name, None)
+        return ([t.detach() for t in losses] if last else [None]), None
+
+    def pipeline_step(self, x, y, events: Events | None = None):
+        """Forward and backward of every micro-batch: (micro-batch losses or [None], peak in
+        flight); the tied embedding's two gradients summed."""
+        if self.kind in SCRATCH:
+            out = scratch_step(self.stages[0], x, y, self.kind, self.microbatches, events,
+                               self.group)
+            losses, peak = out["losses"], out["in_flight"]
+        else:
+            losses, peak = self._native_step(x, y, events)
+        if self.first_and_last is not None:
+            sync_tied(self.stages, self.first_and_last)
+        return losses, peak
+
+    def forward_backward(self, x, y):
+        last = self.step_index == self.steps - 1  # time the last step: the first sets up
+        events = Events(dist.get_rank(self.group), self.group) if last else None
+        losses, peak = self.pipeline_step(x, y, events)
+        if last:
+            self.events, self.in_flight = events.rows, peak
+        self.step_index += 1
+        if losses[0] is None:  # this rank does not hold the last stage
+            return None, torch.zeros((), device=rank_device())
+        return None, torch.stack(losses).mean()
+
+    def global_loss(self, loss) -> float:
+        """The last stage's loss, shared with every rank of the pipeline."""
+        loss = loss.detach().clone()
+        dist.broadcast(loss, group=self.group, group_src=_last_rank(self.kind, self.mesh.size()))
+        return loss.item()
+
+    def _named(self, grads: bool) -> dict[str, torch.Tensor]:
+        """Reference-named tensors of every stage, gathered from all ranks (a tied head is the
+        embedding: left out)."""
+        mine = {}
+        for st in self.stages:
+            for name, q in st.named_parameters():
+                if st.tied and name == "head.weight":
+                    continue
+                t = q.grad if grads else q
+                mine[name] = harness.full_tensor(torch.zeros_like(q) if t is None else t)
+        merged = {}
+        for part in _all(mine, self.group):
+            merged.update(part)
+        return merged
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        return self._named(grads=True)
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return self._named(grads=False)
+
+    def train_step(self, x, y) -> None:
+        self.pipeline_step(x, y)
+        self.optimizer_step()
+
+    def memory_tracker_cls(self):
+        return _tracker_cls()
+
+    def stats(self) -> dict:
+        return {"events": _all(self.events, self.group),
+                "in_flight": _all(self.in_flight, self.group), "planned": self.plan,
+                "microbatches": self.microbatches, "ranks": self.mesh.size()}
 
 
-def _named(stages: list[Stage], grads: bool) -> dict[str, torch.Tensor]:
-    """Reference-named tensors of this rank's stages (a tied head is the embedding: left out)."""
-    out = {}
-    for st in stages:
-        for name, q in st.named_parameters():
-            if st.tied and name == "head.weight":
-                continue
-            t = q.grad if grads else q
-            out[name] = (torch.zeros_like(q) if t is None else t).detach().cpu().clone()
-    return out
+def validate(setup: harness.Setup, kind: str, microbatches: int, ranks: int) -> None:
+    """Reject a layout the schedule cannot run, before any process starts waiting on another."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if ranks < 2:
+        raise ValueError(f"a pipeline needs at least 2 ranks, got {ranks}")
+    check_microbatches(kind, ranks, microbatches)
+    n_stages = native_stage_indices(kind, ranks, 0)[0] if kind in NATIVE else ranks
+    if setup.n_layers % n_stages:
+        raise ValueError(f"{setup.n_layers} layers do not split into {n_stages} equal stages "
+                         f"({kind} on {ranks} ranks); use a multiple of {n_stages} layers")
+    if setup.global_batch % microbatches:
+        raise ValueError(f"global batch {setup.global_batch} does not split into "
+                         f"{microbatches} micro-batches")
 
 
-def _all(obj):
-    """Every rank's object, in rank order (a list of p)."""
-    got = [None] * dist.get_world_size()
-    dist.all_gather_object(got, obj)
-    return got
-
-
-def _gather(named: dict) -> dict:
-    merged = {}
-    for part in _all(named):
-        merged.update(part)
-    return merged
-
-
-def sweep(setup: harness.Setup, variants: list[dict]) -> list[dict]:
-    """run_pipeline once per variant (its keyword arguments), in one process group."""
-    return [run_pipeline(setup, **v) for v in variants]
-
-
-# ---------------------------------------------------------------------------------------------
-# Bubble arithmetic and timeline measurements
-# ---------------------------------------------------------------------------------------------
-
-def bubble_fraction(p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a step for GPipe/1F1B with p stages and m micro-batches, equal stage
-    times: (p - 1) / (v m + p - 1); with v interleaved chunks per rank the bubble shrinks v-fold
-    relative to compute (Narayanan et al. 2021, SC21, "Efficient Large-Scale Language Model
-    Training on GPU Clusters Using Megatron-LM", Section 2.2)."""
-    for name, val in (("p", p), ("m", m), ("v", v)):
-        if not isinstance(val, int) or val < 1:
-            raise ValueError(f"{name} must be a positive integer, got {val!r}")
-    return (p - 1) / (v * m + p - 1)
-
-
-def bubble_over_compute(p: int, m: int, v: int = 1) -> float:
-    """The bubble relative to the ideal compute time: (p - 1) / (v m)."""
-    bubble_fraction(p, m, v)
-    return (p - 1) / (v * m)
-
-
-def idle_fraction(events: list[list[dict]]) -> float:
-    """Measured idle share: 1 - busy / (ranks x span), span from the first start to the last end."""
-    rows = [r for per_rank in events for r in per_rank]
-    if not rows:
-        raise ValueError("no events recorded")
-    span = max(r["end"] for r in rows) - min(r["start"] for r in rows)
-    busy = sum(r["end"] - r["start"] for r in rows)
-    return 1 - busy / (len(events) * span)
-
-
-def stage_activation_bytes(cfg, stage: int, p: int, in_flight: int, micro_batch: int,
-                           seq_len: int, dtype: str = "fp32") -> float:
-    """Stored activations of one stage: in-flight micro-batches x its layers' bytes
-    (`compute.memory.reference_layer_bytes`), plus the last stage's final-norm and logits."""
-    from ..compute import memory
-
-    if cfg.n_layers % p:
-        raise ValueError(f"{cfg.n_layers} layers do not split into {p} stages")
-    per_mb = cfg.n_layers // p * memory.reference_layer_bytes(cfg, micro_batch, seq_len, dtype)
-    if stage == p - 1:  # final norm (3 tensors) and the fp32 log-softmax the loss keeps
-        per_mb += micro_batch * seq_len * (3 * cfg.d_model + cfg.vocab_size) * 4
-    return in_flight * per_mb
+def _last_rank(kind: str, p: int) -> int:
+    return 0 if kind == "native-zero-bubble" else p - 1
