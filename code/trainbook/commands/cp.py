@@ -10,7 +10,7 @@ on a laptop and a GPU node. Example: torchrun --standalone --nproc_per_node 4 -m
 
 import json
 
-from ..parallel import context_parallel, harness
+from ..parallel import context_parallel, cp_attention, harness
 from . import _torchrun
 from ._args import positive_int
 
@@ -18,7 +18,7 @@ HELP = "context parallelism (all-gather K/V, ring; contiguous, zig-zag) vs one p
 
 
 def add_arguments(p):
-    p.add_argument("--kind", default="ring_zigzag", choices=context_parallel.KINDS,
+    p.add_argument("--kind", default="ring_zigzag", choices=cp_attention.KINDS,
                    help="attention scheme (default: ring_zigzag)")
     p.add_argument("--seq-len", type=positive_int, default=64,
                    help="tokens per sequence, all ranks together; a multiple of the ranks "
@@ -30,16 +30,16 @@ def add_arguments(p):
 def run(args) -> int:
     setup = harness.Setup(seq_len=args.seq_len, steps=args.steps)
     world = _torchrun.world_size("cp")
-    scheme = context_parallel.ATTENTION[args.kind][1]
-    context_parallel.shard_positions(setup.seq_len, world, 0, scheme)  # the sequence must split
+    scheme = cp_attention.ATTENTION[args.kind][1]
+    cp_attention.shard_positions(setup.seq_len, world, 0, scheme)  # the sequence must split
     with _torchrun.process_group(backend="gloo"):
-        out = context_parallel.run_cp(setup, args.kind)
+        out = harness.run(setup, context_parallel.ContextParallelRun(kind=args.kind))
         if _torchrun.is_main():
-            diff = harness.max_differences(out["trace"], harness.reference(setup))
+            diff = harness.max_differences(out.trace, harness.reference(setup))
             if args.json:
                 print(json.dumps({"kind": args.kind, "ranks": world, "seq_len": setup.seq_len,
                                   "steps": setup.steps, "max_diff": diff,
-                                  "step_seconds": out["step_seconds"]}, indent=2))
+                                  "step_seconds": out.step_seconds}, indent=2))
             else:
                 print(f"{args.kind} on {world} ranks: max |diff| vs one process: "
                       + ", ".join(f"{k} {v:.1e}" for k, v in diff.items()))
