@@ -9,7 +9,8 @@ CPU. Example: torchrun --standalone --nproc_per_node 8 -m trainbook ep --experts
 
 import json
 
-from ..parallel import expert_parallel
+from ..parallel import expert_parallel, harness
+from ..parallel.moe_routing import check_moe
 from . import _torchrun
 from ._args import positive_int
 
@@ -34,26 +35,27 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    spec = expert_parallel.EPSetup(n_experts=args.experts, top_k=args.top_k, steps=args.steps,
-                                   global_batch=args.global_batch,
-                                   capacity_factor=args.capacity_factor,
-                                   aux_weight=args.aux_weight)
+    setup = harness.Setup(d_ff=64, steps=args.steps, global_batch=args.global_batch)
+    technique = expert_parallel.ExpertParallelRun(
+        n_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor,
+        aux_weight=args.aux_weight)
     world = _torchrun.world_size("ep")
-    expert_parallel.check_moe(spec.n_experts, spec.top_k, world, spec.capacity_factor)
-    if spec.global_batch % world:
-        raise ValueError(f"--global-batch {spec.global_batch} does not split over {world} ranks; "
-                         f"use a multiple of {world}")
+    check_moe(technique.n_experts, technique.top_k, world, technique.capacity_factor)
+    if setup.global_batch % world:
+        raise ValueError(f"--global-batch {setup.global_batch} does not split over {world} "
+                         f"ranks; use a multiple of {world}")
     with _torchrun.process_group():
-        out = expert_parallel.run_ep(spec)
+        out = harness.run(setup, technique)
         if _torchrun.is_main():
-            _print(out, spec, world, args.json)
+            _print(out, technique, world, args.json)
     return 0
 
 
-def _print(out: dict, spec: expert_parallel.EPSetup, world: int, as_json: bool) -> None:
-    last = out["stats"][-1]
-    summary = {"ranks": world, "experts": spec.n_experts, "top_k": spec.top_k,
-               "losses": out["trace"].losses,
+def _print(out: harness.Result, run: expert_parallel.ExpertParallelRun, world: int,
+           as_json: bool) -> None:
+    last = out["routing"][-1]
+    summary = {"ranks": world, "experts": run.n_experts, "top_k": run.top_k,
+               "losses": out.trace.losses,
                "tokens_per_expert": last["tokens_per_expert"].tolist(),  # last step, per layer
                "dropped": last["dropped"],
                "alltoall_bytes_rank0": (out["alltoall"]["forward_bytes"]
@@ -62,7 +64,7 @@ def _print(out: dict, spec: expert_parallel.EPSetup, world: int, as_json: bool) 
     if as_json:
         print(json.dumps(summary, indent=2))
         return
-    print(f"{world} ranks, {spec.n_experts} experts, top-{spec.top_k}")
+    print(f"{world} ranks, {run.n_experts} experts, top-{run.top_k}")
     print(f"losses {[round(v, 4) for v in summary['losses']]}")
     print(f"tokens per expert (last step, per layer) {summary['tokens_per_expert']}")
     print(f"dropped {summary['dropped']}, all-to-all bytes sent by rank 0 "

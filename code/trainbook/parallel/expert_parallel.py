@@ -16,158 +16,27 @@ The all-to-all is differentiable: its backward is the reverse all-to-all (split 
 so gradients flow back to the ranks that own the tokens. With infinite capacity the layer is the
 single-process `trainbook.model.MoE` on the concatenation of all ranks' tokens.
 
-Routing utilities (`route`, `load_balancing_loss`, `router_z_loss`, `capacity`, `keep_mask`) are
-pure functions; `RoutedMoE` is the single-process layer with capacity and statistics, and
-`run_ep` trains a small Mixtral-style model with EP x DP on every rank of a process group.
+The routing utilities and `RoutedMoE`, the single-process layer with capacity and statistics,
+are in `moe_routing`. `ExpertParallelRun` trains a small Mixtral-style model with EP x DP
+through the teaching loop, over the mesh's "ep" ranks.
 
 Chapter: book/parallelism/expert-parallel.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .. import configs
 from ..launch import rank_device
 from ..model import MoE, Transformer
 from . import harness
-
-# ---------------------------------------------------------------------------------------------
-# Routing
-# ---------------------------------------------------------------------------------------------
-
-def check_moe(n_experts: int, top_k: int, ep: int = 1,
-              capacity_factor: float | None = None) -> None:
-    """Reject layouts the layer cannot run, with a message that says how to fix them."""
-    if n_experts < 1 or top_k < 1:
-        raise ValueError(f"n_experts and top_k must be >= 1, got {n_experts}, {top_k}")
-    if top_k > n_experts:
-        raise ValueError(f"top_k {top_k} is larger than the number of experts {n_experts}; "
-                         "pick top_k <= n_experts")
-    if ep < 1 or n_experts % ep:
-        raise ValueError(f"{n_experts} experts do not split over {ep} expert-parallel ranks; "
-                         "use a number of ranks that divides the number of experts")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"capacity factor must be positive (or None for no limit), "
-                         f"got {capacity_factor}")
-
-
-def route(logits: torch.Tensor, top_k: int):
-    """(weights, chosen, probs): top-k experts per token, softmax over the chosen k logits
-    (Mixtral), and the softmax over all experts (for the load-balancing loss)."""
-    check_moe(logits.shape[-1], top_k)
-    top, chosen = logits.topk(top_k, dim=-1)
-    return top.softmax(dim=-1), chosen, logits.softmax(dim=-1)
-
-
-def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Assignments per expert (a token routed to k experts counts k times)."""
-    return torch.bincount(chosen.reshape(-1), minlength=n_experts)
-
-
-def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Switch/GShard auxiliary loss E * sum_i f_i P_i (Fedus et al. 2021, Section 2.2).
-
-    f_i = fraction of the token assignments routed to expert i (counts / (tokens * k); not
-    differentiable), P_i = mean router probability of expert i (differentiable). It is 1 when
-    routing is perfectly uniform. Each token picks k distinct experts, so f_i <= 1/k and the loss
-    is at most E/k, reached when every token routes to the same k experts and the router puts all
-    its probability on them (E only for top-1, Switch's case).
-    """
-    n_experts = probs.shape[-1]
-    f = counts.to(probs.dtype) / counts.sum().clamp(min=1)
-    return n_experts * (f * probs.reshape(-1, n_experts).mean(0)).sum()
-
-
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Mean squared log-sum-exp of the router logits (Zoph et al. 2022, ST-MoE): keeps them
-    small."""
-    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
-
-
-def capacity(tokens: int, n_experts: int, top_k: int, factor: float | None) -> int:
-    """Rows one expert accepts per batch: ceil(factor * tokens * k / E); None means no limit."""
-    check_moe(n_experts, top_k, capacity_factor=factor)
-    if factor is None:
-        return tokens * top_k
-    return math.ceil(factor * tokens * top_k / n_experts)
-
-
-def keep_mask(chosen: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor:
-    """Which (token, slot) assignments fit in their expert's capacity.
-
-    Priority as GShard: every token's first choice before any second choice, and within a slot
-    earlier tokens first. An assignment is kept when fewer than `cap` rows with higher priority
-    went to the same expert; dropped ones contribute nothing (the residual carries the token).
-    """
-    order = chosen.t().reshape(-1)  # slot-major: all first choices, then all second choices
-    one_hot = F.one_hot(order, n_experts)
-    rows = torch.arange(len(order), device=order.device)
-    position = (one_hot.cumsum(0) - 1)[rows, order]  # rank within its expert
-    return (position < cap).view(chosen.shape[1], chosen.shape[0]).t()
-
-
-@dataclass
-class RouteStats:
-    """Routing statistics of one MoE layer call (summed over the ranks when global)."""
-
-    counts: torch.Tensor  # assignments per expert, before the capacity limit
-    dropped: int  # assignments over capacity
-    aux: torch.Tensor  # load-balancing loss (differentiable)
-    z: torch.Tensor  # router z-loss (differentiable)
-
-
-def _route_and_stats(router: nn.Linear, x: torch.Tensor, top_k: int, factor: float | None,
-                     distributed: bool = False, group=None):
-    """Route flat tokens x; apply capacity; statistics. When distributed, the counts in f_i are
-    summed over the ranks of `group`, so the ranks' aux losses average to the global-batch one."""
-    logits = router(x)
-    weights, chosen, probs = route(logits, top_k)
-    n_experts = logits.shape[-1]
-    cap = capacity(len(x), n_experts, top_k, factor)
-    keep = keep_mask(chosen, n_experts, cap)
-    counts = expert_counts(chosen, n_experts)
-    global_counts = counts.clone()
-    if distributed:
-        dist.all_reduce(global_counts, group=group)
-    stats = RouteStats(counts, int((~keep).sum()), load_balancing_loss(probs, global_counts, top_k),
-                       router_z_loss(logits))
-    return weights.to(x.dtype), chosen, keep, stats
-
-
-class RoutedMoE(nn.Module):
-    """The single-process MoE layer with a capacity limit and routing statistics.
-
-    Same parameters and names as `trainbook.model.MoE` (router, experts), built from one; with
-    capacity_factor None it computes exactly what MoE computes. The last call's statistics are in
-    `self.stats`.
-    """
-
-    def __init__(self, moe: MoE, capacity_factor: float | None = None):
-        super().__init__()
-        check_moe(len(moe.experts), moe.top_k, capacity_factor=capacity_factor)
-        self.top_k, self.capacity_factor = moe.top_k, capacity_factor
-        self.router, self.experts = moe.router, moe.experts
-        self.stats: RouteStats | None = None
-
-    def forward(self, x):
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        weights, chosen, keep, self.stats = _route_and_stats(self.router, x, self.top_k,
-                                                             self.capacity_factor)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token, slot = ((chosen == e) & keep).nonzero(as_tuple=True)
-            if token.numel():
-                out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
-        return out.reshape(shape)
-
+from .moe_routing import RoutedMoE, RouteStats, check_moe, route_and_stats
 
 # ---------------------------------------------------------------------------------------------
 # The differentiable all-to-all and the expert-parallel layer
@@ -235,7 +104,7 @@ class ExpertParallelMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         # 1. route the local tokens; sort the kept assignments by expert (so by destination rank)
-        weights, chosen, keep, self.stats = _route_and_stats(self.router, x, self.top_k,
+        weights, chosen, keep, self.stats = route_and_stats(self.router, x, self.top_k,
                                                              self.capacity_factor, True, self.group)
         token, slot = keep.nonzero(as_tuple=True)
         expert = chosen[token, slot]
@@ -268,26 +137,42 @@ class ExpertParallelMoE(nn.Module):
 # Model-level experiment: EP x DP against single-process training
 # ---------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class EPSetup:
-    """A tiny Mixtral-style experiment: model shape, experts, global batch, steps, SGD."""
+def is_expert(name: str) -> bool:
+    """Whether a parameter belongs to an expert (sharded over EP ranks, not replicated)."""
+    return name.startswith("experts.") or ".experts." in name
 
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    d_ff: int = 64
+
+def sync_grads(model: nn.Module, group=None) -> int:
+    """Data-parallel gradient averaging for EP x DP (every EP rank also a DP rank): replicated
+    parameters are all-reduced over `group` and divided by its size; each expert lives on one
+    rank and already received every rank's contribution through the all-to-all's backward, so
+    it is only divided. Returns the bytes all-reduced."""
+    world, sent = dist.get_world_size(group), 0
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if not is_expert(name):
+            dist.all_reduce(p.grad, group=group)
+            sent += p.grad.numel() * p.grad.element_size()
+        p.grad /= world
+    return sent
+
+
+@dataclass(kw_only=True)
+class ExpertParallelRun(harness.Technique):
+    """The harness model with every MLP a mixture of `n_experts` experts, `top_k` per token
+    (Mixtral-style), trained with its experts over the mesh's "ep" ranks and everything else
+    data-parallel; without a process group, the single-process reference (`RoutedMoE`). The
+    loss adds `aux_weight` x the load-balancing loss and `z_weight` x the router z-loss of every
+    layer. Stats: routing per step (tokens per expert and layer, summed over ranks; dropped
+    tokens; aux losses), the all-to-all and all-reduce bytes this rank sent, its parameters."""
+
     n_experts: int = 4
     top_k: int = 2
-    seq_len: int = 32
-    global_batch: int = 8
-    steps: int = 3
-    lr: float = 1e-2
-    optimizer: str = "sgd"
     capacity_factor: float | None = None
-    aux_weight: float = 0.0  # coefficient of the load-balancing loss (Switch uses 1e-2)
-    z_weight: float = 0.0  # coefficient of the router z-loss (ST-MoE uses 1e-3)
-    seed: int = 0
+    aux_weight: float = 0.0  # Switch uses 1e-2
+    z_weight: float = 0.0  # ST-MoE uses 1e-3
+    mesh_dim: str = "ep"
 
     def __post_init__(self):
         check_moe(self.n_experts, self.top_k, capacity_factor=self.capacity_factor)
@@ -295,188 +180,92 @@ class EPSetup:
             raise ValueError(f"aux_weight and z_weight must be >= 0, got {self.aux_weight}, "
                              f"{self.z_weight}")
 
-    def with_(self, **changes) -> EPSetup:
-        """A copy with some fields changed (validated again)."""
-        return replace(self, **changes)
+    def model_config(self, setup: harness.Setup) -> configs.ModelConfig:
+        return setup.model_config().with_(n_experts=self.n_experts, top_k=self.top_k)
 
-    def model_config(self) -> configs.ModelConfig:
-        return configs.get("tiny-mixtral").with_(
-            vocab_size=256, n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads, d_ff=self.d_ff, max_seq_len=self.seq_len,
-            n_experts=self.n_experts, top_k=self.top_k)
+    def build(self, setup: harness.Setup, mesh) -> None:
+        self.group = mesh["ep"].get_group() if mesh is not None else None
+        self.rank = dist.get_rank(self.group) if mesh is not None else 0
+        self.world = mesh.size() if mesh is not None else 1
+        check_moe(self.n_experts, self.top_k, self.world, self.capacity_factor)
+        layer = (lambda moe: ExpertParallelMoE(moe, self.group, self.capacity_factor)) \
+            if mesh is not None else None
+        self.model = build_model(setup, self, layer).to(rank_device() if mesh is not None
+                                                        else torch.device("cpu"))
+        self.optimizer = harness.make_optimizer(setup, self.model.parameters())
+        self.routing, self.allreduce_bytes = [], 0
 
-    def data(self) -> harness.Setup:
-        return harness.Setup(seq_len=self.seq_len, global_batch=self.global_batch,
-                             steps=self.steps, lr=self.lr, optimizer=self.optimizer, seed=self.seed)
+    def local_batch(self, x, y):
+        return harness.shard((x, y), self.rank, self.world)
+
+    def forward_backward(self, x, y):
+        logits, loss = self.model(x, y)
+        blocks = self.model.blocks
+        if self.aux_weight:
+            loss = loss + self.aux_weight * sum(b.mlp.stats.aux for b in blocks)
+        if self.z_weight:
+            loss = loss + self.z_weight * sum(b.mlp.stats.z for b in blocks)
+        loss.backward()
+        if self.world > 1:
+            self.allreduce_bytes += sync_grads(self.model, self.group)
+        self.routing.append(self._routing())
+        return logits, loss.detach()
+
+    def _routing(self) -> dict:
+        stats = [b.mlp.stats for b in self.model.blocks]
+        counts = torch.stack([s.counts for s in stats])
+        dropped = torch.tensor(sum(s.dropped for s in stats), device=counts.device)
+        if self.world > 1:  # the global batch's routing: sum over the ranks
+            dist.all_reduce(counts, group=self.group)
+            dist.all_reduce(dropped, group=self.group)
+        return {"tokens_per_expert": counts.cpu(), "dropped": int(dropped),
+                "aux": [s.aux.item() for s in stats]}
+
+    def _merged(self, get) -> dict[str, torch.Tensor]:
+        """Every rank's own experts and the replicated parameters, in reference names."""
+        mine = {n: harness.full_tensor(get(p)) for n, p in self.model.named_parameters()}
+        if self.world == 1:
+            return mine
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, mine, group=self.group)
+        merged: dict = {}
+        for part in parts:
+            merged.update({n: t for n, t in part.items() if is_expert(n) or n not in merged})
+        return merged
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        return self._merged(lambda p: p.grad)
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return self._merged(lambda p: p)
+
+    def stats(self) -> dict:
+        comm = {k: sum(b.mlp.comm[k] for b in self.model.blocks)
+                for k in ("forward_bytes", "backward_bytes", "calls")} if self.world > 1 else {}
+        return {"rank": self.rank, "routing": self.routing, "alltoall": comm,
+                "allreduce_bytes": self.allreduce_bytes,
+                "params_on_rank": sum(p.numel() for p in self.model.parameters())}
 
 
-def build_model(spec: EPSetup, layer=None) -> Transformer:
-    """The seeded reference model with every MoE replaced by layer(moe) (default RoutedMoE)."""
-    torch.manual_seed(spec.seed)
-    model = Transformer(spec.model_config())
-    layer = layer or (lambda moe: RoutedMoE(moe, spec.capacity_factor))
+def build_model(setup: harness.Setup, run: ExpertParallelRun, layer=None) -> Transformer:
+    """The seeded harness model, its MLPs mixtures of experts as `run` says, each MoE replaced
+    by layer(moe) (default: the single-process `RoutedMoE` with the run's capacity)."""
+    torch.manual_seed(setup.seed)
+    model = Transformer(run.model_config(setup))
+    layer = layer or (lambda moe: RoutedMoE(moe, run.capacity_factor))
     for block in model.blocks:
         block.mlp = layer(block.mlp)
     return model
 
 
-def _loss(model, spec: EPSetup, x, y):
-    """Cross-entropy plus the weighted load-balancing and router z-losses of every layer."""
-    _, loss = model(x, y)
-    if spec.aux_weight:
-        loss = loss + spec.aux_weight * sum(b.mlp.stats.aux for b in model.blocks)
-    if spec.z_weight:
-        loss = loss + spec.z_weight * sum(b.mlp.stats.z for b in model.blocks)
-    return loss
-
-
-def _layer_stats(model) -> dict:
-    stats = [b.mlp.stats for b in model.blocks]
-    return {"tokens_per_expert": torch.stack([s.counts for s in stats]),
-            "dropped": sum(s.dropped for s in stats),
-            "aux": [s.aux.item() for s in stats]}
-
-
-def reference(spec: EPSetup):
-    """Single-process training on the whole global batch: (Trace, routing stats of each step)."""
-    model = build_model(spec)
-    opt = harness.make_optimizer(spec.data(), model.parameters())
-    losses, first, stats = [], {}, []
-    for step, (x, y) in enumerate(harness.global_batches(spec.data())):
-        loss = _loss(model, spec, x, y)
-        loss.backward()
-        if step == 0:
-            first = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        stats.append(_layer_stats(model))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    final = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return harness.Trace(losses, first, final), stats
-
-
-def is_expert(name: str) -> bool:
-    """Whether a parameter belongs to an expert (sharded over EP ranks, not replicated)."""
-    return name.startswith("experts.") or ".experts." in name
-
-
-def sync_grads(model: nn.Module, world: int) -> int:
-    """Data-parallel gradient averaging for EP x DP (ep == world): replicated parameters are
-    all-reduced and divided by the ranks; each expert lives on one rank and already received
-    every rank's contribution through the all-to-all's backward, so it is only divided.
-    Returns the bytes all-reduced."""
-    sent = 0
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        if not is_expert(name):
-            dist.all_reduce(p.grad)
-            sent += p.grad.numel() * p.grad.element_size()
-        p.grad /= world
-    return sent
-
-
-def _ep_model(spec: EPSetup) -> Transformer:
-    return build_model(spec, lambda moe: ExpertParallelMoE(moe, None, spec.capacity_factor))
-
-
-def run_ep(spec: EPSetup, measure_memory: bool = False) -> dict:
-    """Train with experts split over all ranks and the rest data-parallel; call on every rank.
-
-    Returns this rank's trace (its own experts plus the replicated parameters, in reference
-    names), routing statistics summed over the ranks per step, all-to-all and all-reduce bytes
-    this rank sent, and with measure_memory this rank's peak tensor bytes (MemTracker, AdamW) next
-    to `compute.memory.estimate`.
-    """
-    if not dist.is_initialized():
-        raise ValueError("run_ep runs inside a process group: use "
-                         "trainbook.launch.run(run_ep, nprocs, args=(spec,))")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    check_moe(spec.n_experts, spec.top_k, world, spec.capacity_factor)
-    device = rank_device()
-    model = _ep_model(spec).to(device)
-    opt = harness.make_optimizer(spec.data(), model.parameters())
-    losses, first, stats, allreduce = [], {}, [], 0
-    for step, batch in enumerate(harness.global_batches(spec.data())):
-        x, y = (t.to(device) for t in harness.shard(batch, rank, world))
-        loss = _loss(model, spec, x, y)
-        loss.backward()
-        allreduce += sync_grads(model, world)
-        if step == 0:
-            first = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
-        s = _layer_stats(model)
-        dist.all_reduce(s["tokens_per_expert"])
-        dropped = torch.tensor(s["dropped"], device=device)
-        dist.all_reduce(dropped)
-        s["dropped"] = int(dropped)
-        stats.append(s)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    comm = {k: sum(b.mlp.comm[k] for b in model.blocks) for k in ("forward_bytes", "backward_bytes",
-                                                                 "calls")}
-    for s in stats:
-        s["tokens_per_expert"] = s["tokens_per_expert"].cpu()
-    trace = harness.Trace(losses, first, {n: p.detach().cpu().clone()
-                                          for n, p in model.named_parameters()})
-    out = {"rank": rank, "trace": trace, "stats": stats, "alltoall": comm,
-           "allreduce_bytes": allreduce}
-    if measure_memory:
-        out["memory"] = measure_rank_memory(spec)
-    return out
-
-
-def measure_rank_memory(spec: EPSetup) -> dict:
-    """This rank's peak tensor bytes for one EP x DP AdamW step (MemTracker), and the estimate
-    of `compute.memory.estimate` with dp = ep = world for the same model and micro-batch."""
-    from ..bench import memory_measure
+def estimate_memory(setup: harness.Setup, run: ExpertParallelRun, ep: int):
+    """`compute.memory.estimate` for the run's model with dp = ep ranks (fp32, AdamW, this
+    rank's share of the global batch)."""
     from ..compute import memory
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = _ep_model(spec)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    x, y = harness.shard(harness.global_batches(spec.data())[0], rank, world)
-
-    def step(model, optimizer, x, y):
-        logits, loss = model(x, y)  # logits kept until the step ends, as in train.train
-        loss.backward()
-        sync_grads(model, world)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        del logits
-
-    measured = memory_measure.tracked_peak(model, opt, x, y, step=step)
-    est = memory.estimate(memory.MemoryInputs(
-        model=spec.model_config(), dtype="fp32", optimizer="adamw", dp=world, ep=world,
-        micro_batch=len(x), seq_len=spec.seq_len))
-    return {"measured": measured, "estimate": est.as_dict(),
-            "params_on_rank": sum(p.numel() for p in model.parameters())}
-
-
-def merge(results: list[dict]) -> harness.Trace:
-    """One Trace in reference names from the per-rank traces: each rank's own experts, and the
-    replicated parameters from rank 0 (identical on every rank)."""
-    first, final = {}, {}
-    for r in results:
-        for name, g in r["trace"].first_grads.items():
-            if is_expert(name) or name not in first:
-                first[name] = g
-        for name, p in r["trace"].final_params.items():
-            if is_expert(name) or name not in final:
-                final[name] = p
-    return harness.Trace(results[0]["trace"].losses, first, final)
-
-
-def sweep(spec: EPSetup, variants: list[dict]) -> list[dict]:
-    """run_ep once per variant (EPSetup fields to change, plus measure_memory), in one launch."""
-    out = []
-    for v in variants:
-        v = dict(v)
-        measure = v.pop("measure_memory", False)
-        out.append(run_ep(spec.with_(**v), measure_memory=measure))
-    return out
+    return memory.estimate(memory.MemoryInputs(
+        model=run.model_config(setup), dtype="fp32", optimizer="adamw", dp=ep, ep=ep,
+        micro_batch=setup.global_batch // ep, seq_len=setup.seq_len))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,12 +273,12 @@ def sweep(spec: EPSetup, variants: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 def check_layer(n_experts: int = 4, top_k: int = 2, tokens_per_rank: int = 16, d_model: int = 32,
-                d_ff: int = 48, seed: int = 0) -> dict:
+                d_ff: int = 48, seed: int = 0, group=None) -> dict:
     """Largest differences between ExpertParallelMoE on this rank's tokens and trainbook.model.MoE
     on all ranks' tokens: outputs, input gradients, this rank's expert gradients and the router
     gradient (summed over the ranks). Loss: sum(out * g) with a fixed random g. Call on every
     rank."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     cfg = configs.get("tiny-mixtral").with_(d_model=d_model, n_heads=4, n_kv_heads=2, d_ff=d_ff,
                                             n_experts=n_experts, top_k=top_k)
     torch.manual_seed(seed)
@@ -501,13 +290,13 @@ def check_layer(n_experts: int = 4, top_k: int = 2, tokens_per_rank: int = 16, d
     (out_ref * g).sum().backward()
 
     torch.manual_seed(seed)
-    ep = ExpertParallelMoE(MoE(cfg))
+    ep = ExpertParallelMoE(MoE(cfg), group)
     rows = slice(rank * tokens_per_rank, (rank + 1) * tokens_per_rank)
     xl = x[rows].clone().requires_grad_(True)
     out = ep(xl)
     (out * g[rows]).sum().backward()
     router_grad = ep.router.weight.grad.clone()
-    dist.all_reduce(router_grad)
+    dist.all_reduce(router_grad, group=group)
     ref_params = dict(ref.named_parameters())
     expert_diff = max((p.grad - ref_params[n].grad).abs().max().item()
                       for n, p in ep.named_parameters() if is_expert(n))
@@ -518,6 +307,10 @@ def check_layer(n_experts: int = 4, top_k: int = 2, tokens_per_rank: int = 16, d
             "local_experts": sorted(int(k) for k in ep.experts), "comm": dict(ep.comm)}
 
 
-def layer_sweep(variants: list[dict]) -> list[dict]:
-    """check_layer once per variant (its keyword arguments), in one launch."""
-    return [check_layer(**v) for v in variants]
+def _layer_check_for(options: dict, _setup: harness.Setup) -> dict:
+    return check_layer(**options)
+
+
+def layer_check(**options) -> partial:
+    """`check_layer(**options)` as a sweep variant: a picklable callable of the setup."""
+    return partial(_layer_check_for, options)
