@@ -52,7 +52,7 @@ def test_hugging_face_configs(hf_dir, file, total):
 def test_hf_config_matches_preset(hf_dir):
     cfg = configs.from_hf_config(hf_dir / "llama-3-8b.json")
     preset = configs.get("llama-3-8b")
-    for f in ("vocab_size", "n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "rope_theta",
+    for f in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "rope_theta",
               "tied"):
         assert getattr(cfg, f) == getattr(preset, f), f
 
@@ -118,3 +118,17 @@ def test_counts_are_linear_in_layers(kv, group, hd, layers, ff, experts, data):
     per_layer = one["total"] - one["embedding"] - one["head"] - cfg.d_model
     assert c["total"] == c["embedding"] + c["head"] + cfg.d_model + layers * per_layer
     assert c["active"] <= c["total"]
+
+
+def test_one_name_per_size_and_defaults_follow_with():
+    """n_kv_heads, d_ff and head_dim are always whole numbers once built; a size left to its
+    default is derived again by `with_`, an explicit one is kept."""
+    cfg = configs.ModelConfig("t", "llama", 256, 2, 64, 4)
+    assert (cfg.n_kv_heads, cfg.d_ff, cfg.head_dim) == (4, 256, 16)
+    wider = cfg.with_(d_model=128, n_heads=8)
+    assert (wider.n_kv_heads, wider.d_ff, wider.head_dim) == (8, 512, 16)
+    explicit = configs.ModelConfig("t", "llama", 256, 2, 64, 4, n_kv_heads=2, d_ff=100)
+    assert explicit.with_(d_model=128).d_ff == 100 and explicit.with_(n_heads=8).n_kv_heads == 2
+    assert configs.ModelConfig(**cfg.to_dict()) == cfg and "_derived" not in cfg.to_dict()
+    for gone in ("kv_heads", "dim_head", "ffn_dim"):  # the look-alike second names
+        assert not hasattr(cfg, gone)

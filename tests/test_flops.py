@@ -77,7 +77,7 @@ def test_checkpoint_early_stop_skips_the_last_matmul_of_each_block():
     B, T = idx.shape
     full = flops.measure_flops(model, idx, recompute="full", early_stop=False)["total"]
     early = flops.measure_flops(model, idx, recompute="full", early_stop=True)["total"]
-    down_projection = 2 * B * T * cfg.ffn_dim * cfg.d_model * cfg.n_layers
+    down_projection = 2 * B * T * cfg.d_ff * cfg.d_model * cfg.n_layers
     assert full - early == down_projection
 
 
@@ -135,7 +135,7 @@ def test_kaplan_attention_term_is_half_the_palm_term_per_pass():
     n_ctx = 1024
     c = flops.kaplan_forward_flops_per_token(cfg, n_ctx)
     n = configs.param_counts(cfg)["non_embedding"]
-    palm_attn_fwd = 4 * cfg.n_layers * cfg.n_heads * cfg.dim_head * n_ctx  # 12LHQT / 3
+    palm_attn_fwd = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * n_ctx  # 12LHQT / 3
     assert c - 2 * n == palm_attn_fwd / 2
 
 

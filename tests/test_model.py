@@ -12,8 +12,8 @@ from trainbook.model import MoE, Transformer, apply_rope, count_parameters, rope
 
 def shrink(cfg: configs.ModelConfig) -> configs.ModelConfig:
     """Same architecture (flavour, GQA ratio, experts, ties, biases), tiny widths."""
-    group = cfg.n_heads // cfg.kv_heads
-    kv = min(cfg.kv_heads, 2)
+    group = cfg.n_heads // cfg.n_kv_heads
+    kv = min(cfg.n_kv_heads, 2)
     return cfg.with_(vocab_size=97, n_layers=2, d_model=16 * kv * group, n_heads=kv * group,
                      n_kv_heads=None if cfg.n_kv_heads is None else kv,
                      d_ff=None if cfg.d_ff is None else 40, head_dim=None, max_seq_len=32)
@@ -85,7 +85,7 @@ def test_gqa_equals_mha_with_repeated_kv_weights():
     gqa = Transformer(gqa_cfg).eval()
     mha = Transformer(gqa_cfg.with_(n_kv_heads=4)).eval()
     state = gqa.state_dict()
-    hd = gqa_cfg.dim_head
+    hd = gqa_cfg.head_dim
     for k in list(state):
         if k.endswith((".k.weight", ".v.weight")):  # (kv*hd, d) -> (h*hd, d), each kv head twice
             w = state[k].view(2, hd, -1)
@@ -127,7 +127,7 @@ def test_sdpa_matches_explicit_attention():
     cfg = configs.get("tiny-gpt2")
     attn = Transformer(cfg).blocks[0].attn
     x = torch.randn(2, 10, cfg.d_model)
-    B, T, h, hd = 2, 10, cfg.n_heads, cfg.dim_head
+    B, T, h, hd = 2, 10, cfg.n_heads, cfg.head_dim
     q, k, v = (m(x).view(B, T, h, hd).transpose(1, 2) for m in (attn.q, attn.k, attn.v))
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
     scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))

@@ -79,8 +79,8 @@ def test_every_enumerated_layout_obeys_the_rules(gpus, model, seqs):
     cluster = P.Cluster(gpus=gpus, min_cp_tokens=256)
     for lay in P.enumerate_layouts(job, cluster, recompute=("none",), micro_batches=(1, 2)):
         assert lay.dp * lay.tp * lay.pp * lay.cp == gpus
-        assert lay.tp <= 8 and cfg.n_heads % lay.tp == 0 and cfg.kv_heads % lay.tp == 0
-        assert cfg.ffn_dim % lay.tp == 0 and 1024 % lay.cp == 0
+        assert lay.tp <= 8 and cfg.n_heads % lay.tp == 0 and cfg.n_kv_heads % lay.tp == 0
+        assert cfg.d_ff % lay.tp == 0 and 1024 % lay.cp == 0
         assert stage_layers(cfg.n_layers, lay.pp * lay.interleave) is not None
         assert cfg.n_experts % lay.ep == 0 and lay.dp % lay.ep == 0
         m, rest = divmod(seqs, lay.dp * lay.micro_batch)

@@ -11,7 +11,7 @@ Chapter: book/compute/flops.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 FLAVOURS = ("gpt2", "llama")
@@ -35,8 +35,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     n_experts: int = 1  # > 1: mixture-of-experts MLP
     top_k: int = 1  # experts per token
+    # which of n_kv_heads, d_ff, head_dim were left to their defaults (and so follow `with_`)
+    _derived: frozenset = field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self):
+        """Validate, then resolve the defaults: after construction n_kv_heads, d_ff and
+        head_dim are always whole numbers (one name per quantity, no None to test)."""
         def need(ok: bool, msg: str):
             if not ok:
                 raise ValueError(f"config {self.name!r}: {msg}")
@@ -56,34 +60,29 @@ class ModelConfig:
             need(self.d_model % self.n_heads == 0,
                  f"hidden size {self.d_model} is not divisible by {self.n_heads} heads; "
                  "change n_heads or d_model, or set head_dim explicitly")
-        need(self.n_heads % self.kv_heads == 0,
-             f"{self.kv_heads} kv heads do not divide {self.n_heads} query heads; "
+        kv_heads = self.n_kv_heads or self.n_heads
+        need(self.n_heads % kv_heads == 0,
+             f"{kv_heads} kv heads do not divide {self.n_heads} query heads; "
              "grouped-query attention needs n_heads to be a multiple of n_kv_heads")
         need(self.top_k <= self.n_experts,
              f"top_k {self.top_k} is larger than the number of experts {self.n_experts}")
         need(self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
         if self.flavour == "gpt2":
-            need(self.kv_heads == self.n_heads, "the gpt2 flavour has no grouped-query attention; "
+            need(kv_heads == self.n_heads, "the gpt2 flavour has no grouped-query attention; "
                  "set n_kv_heads to n_heads or use the llama flavour")
             need(self.n_experts == 1, "the gpt2 flavour has no mixture of experts; use llama")
             need(self.head_dim is None or self.head_dim * self.n_heads == self.d_model,
                  "the gpt2 flavour needs head_dim * n_heads == d_model")
         else:
-            need(self.dim_head % 2 == 0, f"RoPE needs an even head dimension, got {self.dim_head}")
+            head = self.head_dim or self.d_model // self.n_heads
+            need(head % 2 == 0, f"RoPE needs an even head dimension, got {head}")
             need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
-
-    # Derived sizes, with defaults resolved.
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def dim_head(self) -> int:
-        return self.head_dim or self.d_model // self.n_heads
-
-    @property
-    def ffn_dim(self) -> int:
-        return self.d_ff or 4 * self.d_model
+        defaults = {"n_kv_heads": self.n_heads, "d_ff": 4 * self.d_model,
+                    "head_dim": self.d_model // self.n_heads}
+        derived = frozenset(k for k in defaults if getattr(self, k) is None)
+        for k in derived:
+            object.__setattr__(self, k, defaults[k])
+        object.__setattr__(self, "_derived", derived)
 
     @property
     def tied(self) -> bool:
@@ -94,11 +93,12 @@ class ModelConfig:
         return self.n_experts > 1
 
     def with_(self, **changes) -> ModelConfig:
-        """A copy with some fields changed (validated again)."""
-        return replace(self, **changes)
+        """A copy with some fields changed (validated again). Sizes that were defaults are
+        derived again: `with_(d_model=256)` of a config without an explicit d_ff gets 1024."""
+        return replace(self, **{**{k: None for k in self._derived}, **changes})
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "_derived"}
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -108,8 +108,8 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     learned positions, an untied output head), as Kaplan et al. 2020 do. active counts the
     parameters one token touches: for a mixture of experts, top_k of the n_experts MLPs.
     """
-    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
-    ff, L = cfg.ffn_dim, cfg.n_layers
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    ff, L = cfg.d_ff, cfg.n_layers
     gpt2 = cfg.flavour == "gpt2"
     norm = 2 * d if gpt2 else d  # LayerNorm has weight and bias; RMSNorm a weight only
 

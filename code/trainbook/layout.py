@@ -114,8 +114,8 @@ def layout_rules(layout: Layout, cfg: ModelConfig, seq_len: int | None = None,
         v = getattr(L, name)
         if isinstance(v, bool) or not isinstance(v, Integral) or v < 1:
             return [f"{name} must be a positive whole number, got {v!r}"]
-    for what, n in (("heads", cfg.n_heads), ("key/value heads", cfg.kv_heads),
-                    ("MLP size", cfg.ffn_dim)):
+    for what, n in (("heads", cfg.n_heads), ("key/value heads", cfg.n_kv_heads),
+                    ("MLP size", cfg.d_ff)):
         if n % L.tp:
             out.append(f"tp {L.tp} does not divide {n} {what}")
     if stage_layers(cfg.n_layers, L.pp * L.interleave) is None:

@@ -58,7 +58,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        h, kv, hd, d = cfg.n_heads, cfg.kv_heads, cfg.dim_head, cfg.d_model
+        h, kv, hd, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
         gpt2 = cfg.flavour == "gpt2"
         self.q = nn.Linear(d, h * hd, bias=gpt2 or cfg.qkv_bias)
         self.k = nn.Linear(d, kv * hd, bias=gpt2 or cfg.qkv_bias)
@@ -67,7 +67,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope=None):
         B, T, _ = x.shape
-        hd = self.cfg.dim_head
+        hd = self.cfg.head_dim
         # heads = width / head_dim, so the same code runs on a tensor-parallel shard of q, k, v
         q = self.q(x).view(B, T, -1, hd).transpose(1, 2)  # (B, n_heads, T, hd)
         k = self.k(x).view(B, T, -1, hd).transpose(1, 2)  # (B, kv_heads, T, hd)
@@ -90,7 +90,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, ff = cfg.d_model, cfg.ffn_dim
+        d, ff = cfg.d_model, cfg.d_ff
         self.swiglu = cfg.flavour == "llama"
         if self.swiglu:
             self.gate = nn.Linear(d, ff, bias=False)
@@ -165,7 +165,7 @@ class Transformer(nn.Module):
         if cfg.tied:
             self.head.weight = self.embed.weight
         if cfg.flavour == "llama":
-            cos, sin = rope_tables(cfg.max_seq_len, cfg.dim_head, cfg.rope_theta)
+            cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         else:

@@ -102,13 +102,13 @@ def hf_config(cfg: ModelConfig):
     if cfg.flavour == "gpt2":
         return tf.GPT2Config(
             n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
-            n_head=cfg.n_heads, n_inner=cfg.ffn_dim, activation_function=GPT2_ACTIVATION,
+            n_head=cfg.n_heads, n_inner=cfg.d_ff, activation_function=GPT2_ACTIVATION,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=cfg.norm_eps,
             scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
             reorder_and_upcast_attn=False, **common)
     return tf.LlamaConfig(
-        hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.dim_head,
+        hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
         hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
         attention_bias=False, attention_dropout=0.0, mlp_bias=False, pretraining_tp=1, **common)

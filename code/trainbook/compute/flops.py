@@ -55,7 +55,7 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     2022, Appendix B). N counts matmul parameters; the attention term counts QK^T and AV over the
     full T x T square (no causal discount), as PaLM does for MFU."""
     seq_len = _positive_int("seq_len", seq_len)
-    return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.n_heads * cfg.dim_head * seq_len
+    return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
 def forward_flops(cfg: ModelConfig, seq_len: int, causal: bool = False) -> dict[str, int]:
@@ -70,7 +70,7 @@ def forward_flops(cfg: ModelConfig, seq_len: int, causal: bool = False) -> dict[
     block-skipping kernel (FlashAttention) can get close to.
     """
     T = _positive_int("seq_len", seq_len)
-    d, h, kv, hd, L = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head, cfg.n_layers
+    d, h, kv, hd, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
     pairs = T * (T + 1) // 2 if causal else T * T  # query-key pairs per head
     mats_per_expert = 3 if cfg.flavour == "llama" else 2  # SwiGLU gate/up/down vs fc/proj
     out = {
@@ -78,7 +78,7 @@ def forward_flops(cfg: ModelConfig, seq_len: int, causal: bool = False) -> dict[
         "attn_scores": L * 2 * pairs * h * hd,  # Q K^T
         "attn_values": L * 2 * pairs * h * hd,  # softmax(.) V
         "attn_out": L * 2 * T * h * hd * d,
-        "mlp": L * cfg.top_k * mats_per_expert * 2 * T * d * cfg.ffn_dim,
+        "mlp": L * cfg.top_k * mats_per_expert * 2 * T * d * cfg.d_ff,
         "router": L * 2 * T * d * cfg.n_experts if cfg.is_moe else 0,
         "logits": 2 * T * d * cfg.vocab_size,
     }
@@ -119,7 +119,7 @@ def kaplan_forward_flops_per_token(cfg: ModelConfig, n_ctx: int) -> int:
     """
     n_ctx = _positive_int("n_ctx", n_ctx)
     n = matmul_params(cfg) - cfg.vocab_size * cfg.d_model  # active, non-embedding
-    return 2 * n + 2 * cfg.n_layers * n_ctx * cfg.n_heads * cfg.dim_head
+    return 2 * n + 2 * cfg.n_layers * n_ctx * cfg.n_heads * cfg.head_dim
 
 
 # --- Chinchilla (Hoffmann et al. 2022), Appendix F ----------------------------------------------

@@ -115,8 +115,8 @@ def reference_layer_bytes(cfg: ModelConfig, b: int, s: int, dtype: str = "fp32",
     recompute = _check_choice(recompute, RECOMPUTE, "recompute")
     e = bytes_per_element(_check_choice(dtype, PRECISIONS, "dtype"))
     tok = b * s / cp  # tokens on this rank; k and v are gathered: cp times as many
-    d, ff, hd = cfg.d_model, cfg.ffn_dim, cfg.dim_head
-    h, kv = cfg.n_heads / tp, cfg.kv_heads / tp
+    d, ff, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
+    h, kv = cfg.n_heads / tp, cfg.n_kv_heads / tp
     norm_div = tp if sp else 1
     if recompute == "full":
         return tok * d * e / norm_div
@@ -287,8 +287,8 @@ def _component_params(cfg: ModelConfig) -> dict[str, float]:
 
 def _adafactor_factored(cfg: ModelConfig) -> tuple[float, float]:
     """(parameters in matrices, row+column state elements of those matrices) for Adafactor."""
-    d, hd, ff, L = cfg.d_model, cfg.dim_head, cfg.ffn_dim, cfg.n_layers
-    h, kv, V = cfg.n_heads * hd, cfg.kv_heads * hd, cfg.vocab_size
+    d, hd, ff, L = cfg.d_model, cfg.head_dim, cfg.d_ff, cfg.n_layers
+    h, kv, V = cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.vocab_size
     mats = [(h, d), (kv, d), (kv, d), (d, h)]
     mats += [(ff, d), (d, ff)] * (cfg.n_experts if cfg.is_moe else 1)
     if cfg.flavour == "llama":

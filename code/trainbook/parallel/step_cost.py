@@ -233,7 +233,7 @@ def step_time(layout: Layout, job: Job, cluster: Cluster) -> dict[str, float]:
 
     # CP: all-gather K and V forward, reduce-scatter their gradients backward
     a_cp, bw_cp = _link(L.tp, L.cp, cluster, "all_gather")
-    kv = 2 * mb * s * cfg.kv_heads / L.tp * cfg.dim_head * e
+    kv = 2 * mb * s * cfg.n_kv_heads / L.tp * cfg.head_dim * e
     n_cp = 3 if L.recompute == "full" else 2
     t_cp = layers * n_cp * _collective("all_gather", L.cp, kv, a_cp, bw_cp)
 

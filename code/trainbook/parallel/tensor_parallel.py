@@ -51,8 +51,8 @@ def check_divisible(cfg: ModelConfig, tp: int, seq_len: int | None = None,
     """Raise a ValueError unless `tp` ranks can split this model (and, with SP, the sequence)."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
-    for n, what in ((cfg.n_heads, "attention heads"), (cfg.kv_heads, "key/value heads"),
-                    (cfg.ffn_dim, "MLP hidden size"), (cfg.vocab_size, "vocabulary size")):
+    for n, what in ((cfg.n_heads, "attention heads"), (cfg.n_kv_heads, "key/value heads"),
+                    (cfg.d_ff, "MLP hidden size"), (cfg.vocab_size, "vocabulary size")):
         if n % tp:
             raise ValueError(f"tp {tp} does not divide the {n} {what}; pick a tp that divides it")
     if cfg.is_moe:
