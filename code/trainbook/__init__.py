@@ -3,6 +3,8 @@
 Chapter: book/how-to-use.
 """
 
+from __future__ import annotations
+
 import os as _os
 
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 FLAVOURS = ("gpt2", "llama")
 
@@ -92,7 +93,7 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.n_experts > 1
 
-    def with_(self, **changes) -> ModelConfig:
+    def with_(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again). Sizes that were defaults are
         derived again: `with_(d_model=256)` of a config without an explicit d_ff gets 1024."""
         return replace(self, **{**{k: None for k in self._derived}, **changes})

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 CORPORA = {"tinyshakespeare": "tinyshakespeare.txt"}
 CORPUS_SHA256 = {
@@ -43,7 +48,7 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
@@ -52,7 +57,7 @@ class BPETokenizer:
 
     kind = "bpe"
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: Tokenizer):
         self._tok = tokenizer
 
     @classmethod
@@ -85,12 +90,12 @@ class BPETokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
 
 
 def make_tokenizer(kind: str = "bpe", vocab_size: int = 1024, corpus: str = "tinyshakespeare",
-                   cache_dir: str | Path | None = None):
+                   cache_dir: str | Path | None = None) -> ByteTokenizer | BPETokenizer:
     """'bytes' or a BPE of `vocab_size` trained on `corpus` (cached as JSON in cache_dir if
     given)."""
     if kind == "bytes":
@@ -135,8 +140,8 @@ class Dataset:
     seq_len: int
 
 
-def build_dataset(tokenizer, seq_len: int, corpus: str = "tinyshakespeare",
-                  val_fraction: float = 0.1) -> Dataset:
+def build_dataset(tokenizer: ByteTokenizer | BPETokenizer, seq_len: int,
+                  corpus: str = "tinyshakespeare", val_fraction: float = 0.1) -> Dataset:
     """Tokenize a corpus, split off the last `val_fraction` of the text, and pack both parts."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")

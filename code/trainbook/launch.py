@@ -159,8 +159,8 @@ def run(fn: Callable, nprocs: int = 2, args: tuple = (), kwargs: dict | None = N
     return [RankResult(r, *collected[r]) for r in range(nprocs)]
 
 
-def torchrun(args: list[str], nprocs: int, timeout_s: float = 300, cwd=None,
-             threads: int = 1) -> str:
+def torchrun(args: list[str], nprocs: int, timeout_s: float = 300,
+             cwd: str | os.PathLike | None = None, threads: int = 1) -> str:
     """`python -m trainbook ARGS` under torchrun on `nprocs` local ranks (gloo on a CPU, NCCL
     on GPUs, as the command chooses), with a timeout; returns rank 0's standard output.
 

@@ -67,7 +67,7 @@ class Layout:
         return asdict(self)
 
     @classmethod
-    def parse(cls, text: str, **defaults) -> Layout:
+    def parse(cls, text: str, **defaults: int | str) -> Layout:
         """'tp=8,pp=16,dp=128' (any of the fields, comma-separated) -> Layout."""
         values = dict(defaults)
         for part in filter(None, (p.strip() for p in text.split(","))):

@@ -18,12 +18,15 @@ Chapter: book/start/first-run (the model); book/parallelism (every technique app
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .configs import ModelConfig
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) rows of the rotary tables (llama)
 
 
 class RMSNorm(nn.Module):
@@ -34,20 +37,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device=None):
+def rope_tables(seq_len: int, head_dim: int, theta: float,
+                device: torch.device | str | None = None) -> Rope:
     """cos and sin of shape (seq_len, head_dim // 2) for rotary embeddings (Su et al. 2021)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x, cos, sin):
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (first half, second half) of x: (batch, heads, seq, head_dim), as HF Llama."""
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
@@ -65,7 +69,7 @@ class Attention(nn.Module):
         self.v = nn.Linear(d, kv * hd, bias=gpt2 or cfg.qkv_bias)
         self.o = nn.Linear(h * hd, d, bias=gpt2)
 
-    def forward(self, x, rope=None):
+    def forward(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.cfg.head_dim
         # heads = width / head_dim, so the same code runs on a tensor-parallel shard of q, k, v
@@ -77,7 +81,7 @@ class Attention(nn.Module):
         y = self.core(q, k, v)  # (B, n_heads, T, hd)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, n_heads * hd) -> (B, T, d)
 
-    def core(self, q, k, v):
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention on (batch, heads, time, head_dim); context parallelism replaces it.
         Grouped-query attention (a kv head serves a group of q heads) goes to SDPA as it is
         (`enable_gqa`): no full-size copies of k and v, the same numbers."""
@@ -100,7 +104,7 @@ class MLP(nn.Module):
             self.up = nn.Linear(d, ff)
             self.down = nn.Linear(ff, d)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.down(F.silu(self.gate(x)) * self.up(x))
         return self.down(F.gelu(self.up(x), approximate="tanh"))
@@ -115,7 +119,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.n_experts))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (tokens, d)
         weights, chosen = self.router(x).topk(self.top_k, dim=-1)  # (tokens, k) each
@@ -136,7 +140,7 @@ class Block(nn.Module):
         self.attn_norm, self.attn = norm(), Attention(cfg)
         self.mlp_norm, self.mlp = norm(), (MoE(cfg) if cfg.is_moe else MLP(cfg))
 
-    def forward(self, x, rope=None):
+    def forward(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -173,7 +177,7 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
         """GPT-2 init: N(0, 0.02), output projections scaled by 1/sqrt(2 n_layers), zero biases."""
         for name, p in self.named_parameters():
             if p.dim() == 1:
@@ -183,7 +187,8 @@ class Transformer(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if out_proj else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def embed_inputs(self, idx: torch.Tensor, positions: torch.Tensor | None = None):
+    def embed_inputs(self, idx: torch.Tensor,
+                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, Rope | None]:
         """Token ids (batch, time) -> (hidden states (batch, time, d_model), RoPE tables or None).
 
         `positions` are the tokens' places in the whole sequence (default 0..time-1); context
@@ -195,7 +200,7 @@ class Transformer(nn.Module):
                              else torch.arange(idx.shape[1], device=idx.device))
         return x, self.rope_for(positions)
 
-    def rope_for(self, positions: torch.Tensor | None):
+    def rope_for(self, positions: torch.Tensor | None) -> Rope | None:
         """(cos, sin) rows for `positions` (all rows when None: attention slices to its length)."""
         if self.pos is not None or self.rope_cos is None:
             return None
@@ -203,7 +208,7 @@ class Transformer(nn.Module):
             return self.rope_cos, self.rope_sin
         return self.rope_cos[positions], self.rope_sin[positions]  # (T, head_dim / 2) each
 
-    def layers(self):
+    def layers(self) -> Iterable[nn.Module]:
         """The blocks in order (a pipeline stage keeps them keyed by their index in the model)."""
         return self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
 
@@ -225,13 +230,15 @@ class Transformer(nn.Module):
             x = block(x, rope)
         return x if self.head is None else self.project_logits(x)
 
-    def forward(self, idx, targets=None, positions=None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = self.trunk(idx, positions)
         return logits, (None if targets is None else lm_loss(logits, targets))
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None):
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample continuations of idx (batch, time); no KV cache: simple, fine for small models."""
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")

@@ -15,11 +15,14 @@ from __future__ import annotations
 import inspect
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 SIZES = ("small", "large")
+_T = TypeVar("_T")
 
 
 def pick_size(env: dict | None = None) -> str:
@@ -44,7 +47,7 @@ class Context:
     machine: str = ""  # what setup() found: GPU name, or CPU threads and its bf16 class
     matmul_dtypes: tuple[str, ...] = ("fp32",)  # what this device multiplies in (no emulation)
 
-    def pick(self, small, large):
+    def pick(self, small: _T, large: _T) -> _T:
         """The small or the large variant of a setting, by the size policy."""
         return small if self.size == "small" else large
 
@@ -107,7 +110,7 @@ def setup(seed: int = 0, quiet: bool = False) -> Context:
     return Context(device, size, dtype, seed, matmul_dtype, emulated, where, dtypes)
 
 
-def show_source(obj) -> None:
+def show_source(obj: Callable[..., object]) -> None:
     """Display the package's own source of a function or class (never a second copy)."""
     try:
         src = inspect.getsource(obj)
@@ -125,7 +128,7 @@ def show_source(obj) -> None:
         display(Markdown(f"`{title}`\n\n```python\n{src}```"))
 
 
-def glue(name: str, value, display: bool = False) -> None:
+def glue(name: str, value: Any, display: bool = False) -> None:
     """myst-nb glue when building the book; a no-op elsewhere (Colab needs no myst-nb).
 
     numpy and torch scalars become Python numbers, so `{glue:text}`name:.2f`` can format them.

@@ -6,7 +6,7 @@ Chapter: book/how-to-use.
 from __future__ import annotations
 
 
-def fmt(value) -> str:
+def fmt(value: object) -> str:
     """Integers with thousands separators, floats to 4 significant digits, None as '-'."""
     if value is None:
         return "-"

@@ -4,3 +4,5 @@ matmul FLOPS finder), memory bandwidth for rooflines (`bench.memory`) and collec
 
 Chapter: book/compute/throughput.
 """
+
+from __future__ import annotations

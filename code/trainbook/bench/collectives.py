@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from numbers import Integral
 
 import torch
@@ -112,8 +113,8 @@ def _run(op: str, inp, out):
         dist.all_to_all_single(out, inp)
 
 
-def time_op(op: str, nbytes: int, iters: int = 10, warmup: int = 2, dtype=torch.float32,
-            rounds: int = 3) -> float:
+def time_op(op: str, nbytes: int, iters: int = 10, warmup: int = 2,
+            dtype: torch.dtype = torch.float32, rounds: int = 3) -> float:
     """Seconds per call of `op` on nbytes: the average over `iters` calls, on the slowest rank
     (a collective ends when its last rank does), in the best of `rounds` rounds (a round that
     another process interrupted is not the network's speed)."""
@@ -136,7 +137,7 @@ def time_op(op: str, nbytes: int, iters: int = 10, warmup: int = 2, dtype=torch.
     return best
 
 
-def check_benchmark(ops, iters: int, warmup: int) -> None:
+def check_benchmark(ops: Sequence[str], iters: int, warmup: int) -> None:
     """Reject what `benchmark` cannot run, before any process joins a group."""
     for op in ops:
         bus_factor(op, 2)  # validates the name
@@ -144,8 +145,8 @@ def check_benchmark(ops, iters: int, warmup: int) -> None:
         raise ValueError(f"need iters >= 1 and warmup >= 0, got {iters} and {warmup}")
 
 
-def benchmark(ops=OPS, sizes=(2**10, 2**16, 2**20), iters: int = 10, warmup: int = 2,
-              dtype=torch.float32) -> list[dict]:
+def benchmark(ops: Sequence[str] = OPS, sizes: Sequence[int] = (2**10, 2**16, 2**20),
+              iters: int = 10, warmup: int = 2, dtype: torch.dtype = torch.float32) -> list[dict]:
     """One row per (op, payload): time, algbw and busbw. Call on every rank of a process group."""
     if not dist.is_initialized():
         raise ValueError("benchmark() runs inside a process group: use torchrun, or "
@@ -164,7 +165,7 @@ def benchmark(ops=OPS, sizes=(2**10, 2**16, 2**20), iters: int = 10, warmup: int
     return rows
 
 
-def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
     """Least-squares fit of t = alpha + S / B in relative error: (alpha in s, B in bytes/s).
 
     Relative error weights small and large payloads alike; a plain fit would be decided by the

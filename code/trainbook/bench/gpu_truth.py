@@ -22,8 +22,10 @@ import re
 import statistics
 import subprocess
 import time
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +35,9 @@ from ..compute.flops import training_flops_per_token
 from ..configs import ModelConfig
 from ..model import Transformer
 from .matmul import device_name
+
+if TYPE_CHECKING:
+    from torch.autograd.profiler_util import FunctionEvent
 
 SIZES = ("small", "large")
 CLASSES = ("matmul", "attention", "norm/elementwise", "optimizer", "communication", "other")
@@ -117,7 +122,8 @@ class Budget:
     """Seconds shared by the measurements. Each gets a slice of what is left, its weight over the
     weights of those not yet run, so time one measurement leaves unused goes to the later ones."""
 
-    def __init__(self, total_s: float, weights: dict[str, float], clock=time.perf_counter):
+    def __init__(self, total_s: float, weights: dict[str, float],
+                 clock: Callable[[], float] = time.perf_counter):
         if not total_s > 0:
             raise ValueError(f"--budget-s must be > 0 seconds, got {total_s:g}")
         self.total_s, self.clock, self.start = total_s, clock, clock()
@@ -170,7 +176,8 @@ def random_batch(cfg: ModelConfig, micro_batch: int, seq_len: int,
     return x.to(device), y.to(device)
 
 
-def train_step(model, optimizer, x, y, dtype: str = "fp32") -> None:
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor, dtype: str = "fp32") -> None:
     """As train.train does it: autocast forward (logits kept to the end), backward, clip, AdamW."""
     amp = AMP.get(dtype)
     with torch.autocast(x.device.type, dtype=amp) if amp else nullcontext():
@@ -196,7 +203,8 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str,
 
 
 def fit_micro_batch(cfg: ModelConfig, seq_len: int, dtype: str, capacity: float,
-                    candidates=(8, 4, 2, 1), recompute: str = "none") -> int | None:
+                    candidates: Iterable[int] = (8, 4, 2, 1),
+                    recompute: str = "none") -> int | None:
     """The largest candidate micro-batch whose estimated peak stays under `capacity` bytes."""
     for mb in sorted(candidates, reverse=True):
         if estimate(cfg, mb, seq_len, dtype, recompute).peak <= capacity:
@@ -263,7 +271,7 @@ def classify(name: str) -> str:
     return "other"
 
 
-def op_class(event) -> str:
+def op_class(event: FunctionEvent) -> str:
     """An event's class: communication by its own name; optimizer when it runs inside the
     optimizer step, zero_grad or gradient clipping (foreach ops); else its own class, or failing
     that (views, allocations) the class of the nearest parent that has one."""

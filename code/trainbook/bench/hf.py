@@ -21,6 +21,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -65,7 +67,7 @@ def resolve(model: str | ModelConfig) -> ModelConfig:
         raise ValueError(f"{e}; bench sizes: {', '.join(BENCH_SIZES)}") from None
 
 
-def require_transformers():
+def require_transformers() -> ModuleType:
     """The transformers module, or a one-line reason it cannot be used (missing or too old)."""
     try:
         import transformers
@@ -88,7 +90,7 @@ def check_supported(cfg: ModelConfig) -> None:
         raise ValueError(f"{cfg.name}: transformers' Llama needs d_model divisible by n_heads")
 
 
-def hf_config(cfg: ModelConfig):
+def hf_config(cfg: ModelConfig) -> Any:
     """A transformers GPT2Config or LlamaConfig with exactly this architecture.
 
     Every field that changes the function is set rather than left to a library default, dropout
@@ -153,7 +155,7 @@ def _hf_weights(model: Transformer) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def to_hf(model: Transformer):
+def to_hf(model: Transformer) -> torch.nn.Module:
     """A GPT2LMHeadModel or LlamaForCausalLM holding a copy of `model`'s weights, on its device
     and dtype, in train mode: the same function, in the library's code."""
     tf = require_transformers()

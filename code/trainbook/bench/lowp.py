@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +87,8 @@ class LowPrecision:
         return f"{self.cpu_class}: " + ", ".join(parts)
 
 
-def probe(device: str = "cpu", dtypes=("fp32", "bf16"), seconds: float = 0.05) -> LowPrecision:
+def probe(device: str = "cpu", dtypes: Sequence[str] = ("fp32", "bf16"),
+          seconds: float = 0.05) -> LowPrecision:
     """Measure each dtype's matmul rate for `seconds` (about 0.1 s in all, on either kind).
 
     On a CPU the probe runs on one thread: the ratio is a property of the instruction set, and

@@ -23,6 +23,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,7 +51,8 @@ def parse_range(start: int, stop: int, step: int, name: str = "range") -> list[i
     return list(range(start, stop + 1, step))
 
 
-def make_shapes(ms, ns, ks) -> list[tuple[int, int, int]]:
+def make_shapes(ms: Sequence[int], ns: Sequence[int],
+                ks: Sequence[int]) -> list[tuple[int, int, int]]:
     """Every (m, n, k) of the cartesian product, in sweep order (k fastest)."""
     for name, values in (("m", ms), ("n", ns), ("k", ks)):
         if not values:
@@ -137,9 +139,9 @@ def _operands(m, n, k, dtype: str, device):
     return lambda: torch.matmul(a, b, out=out)
 
 
-def time_matmul(m: int, n: int, k: int, dtype: str = "fp32", device="cpu", repeats: int = 10,
-                warmup: int = 2, flush=None, timer: Timer | None = None,
-                budget_s: float | None = None) -> ShapeResult:
+def time_matmul(m: int, n: int, k: int, dtype: str = "fp32", device: str | torch.device = "cpu",
+                repeats: int = 10, warmup: int = 2, flush: Callable[[], None] | None = None,
+                timer: Timer | None = None, budget_s: float | None = None) -> ShapeResult:
     """Time `repeats` matmuls of (m, k) @ (k, n), flushing the cache before each.
 
     With `budget_s`, timed repeats stop once that many seconds are spent (at least one runs):
@@ -172,7 +174,7 @@ def time_matmul(m: int, n: int, k: int, dtype: str = "fp32", device="cpu", repea
     return ShapeResult(m, n, k, dtype, times)
 
 
-def probe_tflops(dtype: str = "fp32", device="cpu", seconds: float = 0.05,
+def probe_tflops(dtype: str = "fp32", device: str | torch.device = "cpu", seconds: float = 0.05,
                  size: int = 256) -> float:
     """The best rate of `size`-cube matmuls over `seconds`: a yardstick to size work by.
 
@@ -253,9 +255,10 @@ def metadata(device: torch.device, dtype: str, command: str | None = None) -> di
     return meta
 
 
-def sweep(shapes, dtype: str = "bf16", device: str = "auto", repeats: int = 10, warmup: int = 2,
-          flush_bytes: int | None = None, output: str | os.PathLike | None = None,
-          progress: bool = True, command: str | None = None, timer: Timer | None = None,
+def sweep(shapes: Sequence[tuple[int, int, int]], dtype: str = "bf16", device: str = "auto",
+          repeats: int = 10, warmup: int = 2, flush_bytes: int | None = None,
+          output: str | os.PathLike | None = None, progress: bool = True,
+          command: str | None = None, timer: Timer | None = None,
           budget_s: float | None = None) -> Sweep:
     """Time every shape; append each result to `output` (JSON lines) as it is measured.
 
@@ -337,8 +340,8 @@ def read_results(path: str | os.PathLike) -> tuple[dict, list[dict]]:
     return meta, rows
 
 
-def peak_tflops(dtype: str = "bf16", device: str = "auto", sizes=None, repeats: int = 5,
-                progress: bool = False, small: bool = True,
+def peak_tflops(dtype: str = "bf16", device: str = "auto", sizes: Sequence[int] | None = None,
+                repeats: int = 5, progress: bool = False, small: bool = True,
                 budget_s: float | None = None) -> Sweep:
     """A quick MAMF: square shapes around the sizes this device likes (a few seconds on a CPU,
     within `budget_s`, 2 s by default there, whether or not the CPU has native bf16)."""

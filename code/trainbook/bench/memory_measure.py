@@ -16,10 +16,16 @@ Chapter: book/compute/memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..configs import ModelConfig
 from ..model import Transformer
+
+if TYPE_CHECKING:
+    from torch.distributed._tools.mem_tracker import MemTracker
 
 CATEGORIES = {"Parameter": "weights", "Buffer": "buffers", "Gradient": "grads",
               "Activation": "activations", "Temp": "temporaries", "Optstate": "optimizer"}
@@ -34,7 +40,9 @@ def _step(model, optimizer, x, y) -> None:
     del logits
 
 
-def tracked_peak(model, optimizer, x, y, step=None, tracker_cls=None) -> dict:
+def tracked_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                 y: torch.Tensor, step: Callable[..., object] | None = None,
+                 tracker_cls: type[MemTracker] | None = None) -> dict:
     """Run a warm-up step, then one tracked step; the peak snapshot by category, in bytes.
 
     `step(model, optimizer, x, y)` is one training step (default: the reference trainer's);

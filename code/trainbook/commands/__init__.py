@@ -5,6 +5,8 @@ a module; `python -m trainbook --help` lists them all.
 Chapter: book/how-to-use.
 """
 
+from __future__ import annotations
+
 import importlib
 import pkgutil
 

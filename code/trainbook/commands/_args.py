@@ -4,6 +4,8 @@ any work, naming the option in its error line (exit status 2). Not a command its
 Chapter: book/how-to-use.
 """
 
+from __future__ import annotations
+
 import argparse
 import shlex
 
@@ -28,7 +30,7 @@ def non_negative_int(text: str) -> int:
     return _whole(text, 0)
 
 
-def command_line(args) -> str:
+def command_line(args: argparse.Namespace) -> str:
     """The command as given (rebuilt from the parsed options), for a results file."""
     parts = ["python", "-m", "trainbook", args.command]
     for key, value in vars(args).items():

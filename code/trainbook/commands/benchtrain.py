@@ -11,6 +11,9 @@ Example: python -m trainbook benchtrain --threads 1 --output benchtrain-cpu.json
 Chapter: book/compute/throughput.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 import platform
 from pathlib import Path
@@ -24,7 +27,7 @@ from ._args import command_line, non_negative_int, positive_int
 HELP = "training tokens/s of the reference model vs Hugging Face transformers, same weights"
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", nargs="+", default=list(hf.DEFAULT_MODELS), metavar="MODEL",
                    help=f"presets, bench sizes ({', '.join(hf.BENCH_SIZES)}) or config.json "
                         "paths; gpt2 or llama flavour, no MoE "
@@ -48,7 +51,7 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print the results as JSON, no progress bar")
 
 
-def results(args, rows: list[dict], device: torch.device) -> dict:
+def results(args: argparse.Namespace, rows: list[dict], device: torch.device) -> dict:
     """The results document: what ran, where, with which versions, and one row per model."""
     meta = matmul.metadata(device, hf.precision(device), command_line(args))
     meta.update(kind="benchtrain", transformers=hf.require_transformers().__version__,
@@ -57,7 +60,7 @@ def results(args, rows: list[dict], device: torch.device) -> dict:
     return {**meta, "rows": rows}
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     cfgs = [hf.resolve(m) for m in args.models]  # every input checked before any work
     if len({c.name for c in cfgs}) != len(cfgs):
         raise ValueError(f"--models names a model twice: {' '.join(args.models)}")

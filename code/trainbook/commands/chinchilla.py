@@ -8,6 +8,9 @@ D_opt, tokens per parameter and the predicted final loss (nats per token on Mass
 Chapter: book/compute/scaling-laws.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 
 from ..compute import scaling
@@ -25,7 +28,7 @@ def _flops(text: str) -> float:
             f"{text!r} is not a number; write FLOPs like 5.76e23") from None
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flops", type=_flops, required=True, nargs="+", metavar="C",
                    help="training budget(s) in FLOPs, e.g. 5.76e23 (Chinchilla/Gopher) "
                         "or 1e24 2e25")
@@ -36,7 +39,7 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     rows = [scaling.compute_optimal(c, args.fit) for c in args.flops]
     if args.json:
         print(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))

@@ -6,6 +6,9 @@ torchrun, e.g. torchrun --standalone --nproc_per_node 2 -m trainbook collectives
 1KiB 1MiB; rank 0 prints. Chapter: book/parallelism/collectives
 """
 
+from __future__ import annotations
+
+import argparse
 import datetime
 import json
 import shlex
@@ -22,7 +25,7 @@ from ._args import non_negative_int, positive_int
 HELP = "time, algbw, busbw and alpha-beta fit of each collective on the torchrun ranks"
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", default=",".join(bench.OPS),
                    help=f"comma-separated subset of {', '.join(bench.OPS)} (default: all)")
     p.add_argument("--payload-range", nargs=2, default=["1KiB", "16MiB"], metavar=("START", "STOP"),
@@ -42,7 +45,7 @@ def add_arguments(p):
     p.add_argument("--json-out", metavar="FILE", help="also write that JSON to FILE")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     if not ops:
         raise ValueError(f"--ops {args.ops!r} names no collective; "

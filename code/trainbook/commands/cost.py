@@ -7,6 +7,9 @@ checkpoint interval of lost work), checkpointing at Young's optimal interval unl
 Chapter: book/compute/cost.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 
 from .. import configs, hardware
@@ -18,7 +21,7 @@ HELP = "training time and cost from FLOPs, GPUs, peak and MFU, with checkpoint/f
 LLAMA3_MTBF_GPU_HOURS = cost.LLAMA3_MTBF_GPU_HOURS
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help=f"preset ({', '.join(configs.PRESETS)}) or path to a config.json")
     p.add_argument("--tokens", required=True,
@@ -81,7 +84,7 @@ def _interval(text: str) -> float | None:
                          f"got {text!r}") from None
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     est = cost.estimate(args.model, args.tokens, args.gpu, args.gpus, args.mfu, args.dtype,
                         args.seq_len, args.flops, args.price_per_gpu_hour)
     gp = cost.goodput(est.seconds / 3600, args.gpus, _mtbf(args), args.ckpt_minutes,

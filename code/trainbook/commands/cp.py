@@ -8,6 +8,9 @@ on a laptop and a GPU node. Example: torchrun --standalone --nproc_per_node 4 -m
 --kind ring_zigzag --seq-len 64. Chapter: book/parallelism/context-parallel
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 
 from ..parallel import context_parallel, cp_attention, harness
@@ -17,7 +20,7 @@ from ._args import positive_int
 HELP = "context parallelism (all-gather K/V, ring; contiguous, zig-zag) vs one process (torchrun)"
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", default="ring_zigzag", choices=cp_attention.KINDS,
                    help="attention scheme (default: ring_zigzag)")
     p.add_argument("--seq-len", type=positive_int, default=64,
@@ -27,7 +30,7 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print JSON instead of a line of text")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     setup = harness.Setup(seq_len=args.seq_len, steps=args.steps)
     world = _torchrun.world_size("cp")
     scheme = cp_attention.ATTENTION[args.kind][1]

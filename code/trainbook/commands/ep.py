@@ -7,6 +7,9 @@ CPU. Example: torchrun --standalone --nproc_per_node 8 -m trainbook ep --experts
 --steps 10 --aux-weight 0.01. Chapter: book/parallelism/expert-parallel
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 
 from ..parallel import expert_parallel, harness
@@ -18,7 +21,7 @@ HELP = ("expert parallelism: train a tiny MoE with experts over the ranks, routi
         "(torchrun)")
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=positive_int, default=8,
                    help="number of experts, divisible by the ranks (default: 8)")
     p.add_argument("--top-k", type=positive_int, default=2, help="experts per token (default: 2)")
@@ -34,7 +37,7 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     setup = harness.Setup(d_ff=64, steps=args.steps, global_batch=args.global_batch)
     technique = expert_parallel.ExpertParallelRun(
         n_experts=args.experts, top_k=args.top_k, capacity_factor=args.capacity_factor,

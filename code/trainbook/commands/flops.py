@@ -7,7 +7,11 @@ forward, backward (2x forward) and recomputation. Totals per token, per sequence
 Chapter: book/compute/flops.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
+from pathlib import Path
 
 from .. import configs
 from ..compute import flops
@@ -17,7 +21,7 @@ from ..report import table
 HELP = "training FLOPs by component (exact matmul count), recomputation, 6N and PaLM's count"
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help=f"preset ({', '.join(configs.PRESETS)}) or path to a config.json")
     p.add_argument("--seq-len", type=int, required=True,
@@ -35,8 +39,8 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def report(model, seq_len: int, recompute: str = "none", causal: bool = False, batch: int = 1,
-           tokens: float | None = None) -> dict:
+def report(model: str | Path | configs.ModelConfig, seq_len: int, recompute: str = "none",
+           causal: bool = False, batch: int = 1, tokens: float | None = None) -> dict:
     """Everything the command prints, as a dict (the --json output)."""
     cfg = configs.resolve(model)
     configs.check_seq_len(cfg, seq_len)
@@ -63,7 +67,7 @@ def report(model, seq_len: int, recompute: str = "none", causal: bool = False, b
     return out
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     tokens = parse_count(args.tokens) if args.tokens is not None else None
     r = report(args.model, args.seq_len, args.recompute, args.causal, args.batch, tokens)
     if args.json:

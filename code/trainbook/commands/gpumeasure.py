@@ -14,6 +14,9 @@ Example (one GPU, under 8 minutes): tools/gpu/measure.sh, or python -m trainbook
 Chapter: book/compute/throughput.
 """
 
+from __future__ import annotations
+
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -64,7 +67,7 @@ class Refused(Exception):
     """A dtype this device cannot multiply in (matmul.check_dtype's reason)."""
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (GPU if visible), cpu, cuda or cuda:N")
     p.add_argument("--size", default=None, help="small or large: the model and shapes measured "
                                                 "(default: large on a GPU, small on a CPU)")
@@ -283,7 +286,7 @@ class _Run:
         return {"how": how, "model_config": p["model"].to_dict(), "setups": entries}
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     device, size, out = _validate(args)
     r = _Run(args, device, size, out)
     out.mkdir(parents=True, exist_ok=True)

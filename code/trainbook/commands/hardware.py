@@ -3,6 +3,9 @@
 Chapter: book/appendix/hardware.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 
 from .. import hardware
@@ -12,14 +15,14 @@ from ..report import table
 HELP = "the accelerator spec table: dense peak TFLOPS per dtype, memory, bandwidth, sources"
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure-cpu", action="store_true",
                    help="also measure this CPU's fp32/bf16 matmul peak (about a second) and say "
                         "whether bf16 is native or emulated here")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     rows = hardware.table()
     if args.measure_cpu:
         from ..bench import lowp

@@ -9,6 +9,9 @@ measured so far and exits with status 130. Example: python -m trainbook mamf --d
 Chapter: book/compute/throughput.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 
 from ..bench import matmul
@@ -20,7 +23,7 @@ from ._args import command_line
 HELP = "maximum achievable matmul FLOPS: sweep matmul shapes, report the best TFLOPS and shape"
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     for dim in ("m", "n", "k"):
         g = p.add_mutually_exclusive_group()
         g.add_argument(f"--{dim}", type=int, nargs="+", metavar=dim.upper(),
@@ -63,7 +66,7 @@ def _values(args, dim):
     return fixed
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     shapes = matmul.make_shapes(*(_values(args, d) for d in "mnk"))

@@ -6,6 +6,9 @@ weights, --tp (with sequence parallelism), --cp and --recompute shrink activatio
 Chapter: book/compute/memory.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 import math
 
@@ -16,7 +19,7 @@ from ..report import table
 HELP = "training memory per rank: model states, activations, logits; fits a GPU?"
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model",
                      help=f"preset ({', '.join(configs.PRESETS)}) or path to a config.json")
@@ -53,7 +56,7 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def inputs_from_args(args) -> memory.MemoryInputs:
+def inputs_from_args(args: argparse.Namespace) -> memory.MemoryInputs:
     """MemoryInputs from parsed options (bad combinations raise ValueError with the fix)."""
     params = None
     if args.params is not None:
@@ -68,7 +71,7 @@ def inputs_from_args(args) -> memory.MemoryInputs:
         recompute=args.recompute, activations=args.activations)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     hardware.get(args.gpu)  # an unknown GPU fails before any work
     x = inputs_from_args(args)
     b = memory.estimate(x)

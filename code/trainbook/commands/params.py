@@ -3,6 +3,9 @@
 Chapter: book/compute/flops.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 
 from .. import configs
@@ -11,13 +14,13 @@ from ..report import table
 HELP = "parameter counts by component for a preset or a Hugging Face config.json"
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help=f"preset ({', '.join(configs.PRESETS)}) or path to a config.json")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     cfg = configs.resolve(args.model)
     counts = configs.param_counts(cfg)
     if args.json:

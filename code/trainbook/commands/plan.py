@@ -7,6 +7,9 @@ prediction: see trainbook.parallel.planner for what it leaves out.
 Chapter: book/parallelism/putting-it-together.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 
 from .. import configs, hardware
@@ -16,7 +19,7 @@ from ..report import table
 HELP = "rank parallel layouts (dp/tp/pp/cp/ep, ZeRO, micro-batch, recompute) for a model on N GPUs"
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help=f"preset ({', '.join(configs.PRESETS)}) or path to a config.json")
     p.add_argument("--gpu", default="h100-sxm", help=f"GPU type ({', '.join(hardware.SPECS)})")
@@ -43,7 +46,7 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.gpus is None or args.gpus < 1:
         raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
     if args.top < 1:

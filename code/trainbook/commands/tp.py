@@ -8,6 +8,9 @@ Example: torchrun --standalone --nproc_per_node 8 -m trainbook tp --d-model 1024
 --kv-heads 8 --seq-len 1024 --batch 8. Chapter: book/parallelism/tensor-parallel
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 
 from ..parallel import harness, tensor_parallel
@@ -20,7 +23,7 @@ HELP = ("tensor (and sequence) parallelism from scratch and with DTensor: losses
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", choices=tensor_parallel.KINDS, action="append",
                    help="implementation (repeatable; default: all)")
     p.add_argument("--flavour", choices=("llama", "gpt2"), default="llama",
@@ -39,7 +42,7 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     kinds = args.kind or list(tensor_parallel.KINDS)
     kv = args.kv_heads if args.flavour == "llama" else args.heads
     setup = harness.Setup(flavour=args.flavour, d_model=args.d_model, n_layers=args.layers,

@@ -3,6 +3,8 @@
 Chapter: book/start/first-run.
 """
 
+from __future__ import annotations
+
 import argparse
 import contextlib
 import dataclasses
@@ -11,12 +13,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..train import TrainConfig, config_fields
+from ..train import TrainConfig, TrainResult, config_fields
 
 HELP = "train the reference model on the shipped corpus (works under torchrun)"
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """One option per TrainConfig field, documented by the field's own help text."""
     for f in config_fields():
         flag, help = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default})"
@@ -32,7 +34,7 @@ def add_arguments(p):
                    help="write the config, summary and per-step history to this JSON file")
 
 
-def summary(result) -> dict:
+def summary(result: TrainResult) -> dict:
     """The run in a few numbers: final and validation loss, throughput and MFU (medians over the
     steps after the first, which pays one-time costs), steps and tokens."""
     h = result.history
@@ -49,7 +51,7 @@ def summary(result) -> dict:
             "peak_source": result.peak_source}
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from ..train import train

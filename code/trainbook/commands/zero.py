@@ -9,6 +9,9 @@ on the CPU with gloo, so it runs the same on a laptop and a GPU node. Example: t
 Chapter: book/parallelism/zero-fsdp
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 
 from ..parallel import harness, zero
@@ -19,7 +22,7 @@ from ._args import positive_int
 HELP = "ZeRO 1-3 and FSDP2 vs one process: bytes per step, differences, peak memory (torchrun)"
 
 
-def add_arguments(p):
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kinds", default="zero1,zero2,zero3,fsdp2",
                    help=f"comma-separated implementations, from {', '.join(zero.KINDS)} "
                         "(default: zero1,zero2,zero3,fsdp2)")
@@ -39,7 +42,7 @@ def parse_kinds(text: str) -> list[str]:
     return kinds
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     kinds = parse_kinds(args.kinds)
     world = _torchrun.world_size("zero")
     setup = harness.Setup(steps=args.steps, optimizer=args.optimizer, global_batch=2 * world)

@@ -2,3 +2,5 @@
 
 Chapter: book/compute/flops.
 """
+
+from __future__ import annotations

@@ -21,9 +21,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import configs, hardware
 from .flops import matmul_params, training_flops_per_token, utilization
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FLOP_MODES = ("6n+attn", "6n")
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}
@@ -81,7 +86,8 @@ def flops_per_token(cfg: configs.ModelConfig, seq_len: int | None = None,
     return float(training_flops_per_token(cfg, seq_len))
 
 
-def run_flops(model, tokens, seq_len: int | None = None, mode: str = "6n+attn") -> float:
+def run_flops(model: str | Path | configs.ModelConfig, tokens: str | float,
+              seq_len: int | None = None, mode: str = "6n+attn") -> float:
     """Total training FLOPs of `tokens` tokens (a count or '15T') through `model`."""
     cfg = configs.resolve(model)
     return flops_per_token(cfg, seq_len, mode) * parse_count(tokens)
@@ -121,7 +127,8 @@ class RunEstimate:
         return {**asdict(self), "days": self.days}
 
 
-def estimate(model, tokens, gpu: str | hardware.Accelerator = "h100-sxm", gpus: int = 1,
+def estimate(model: str | Path | configs.ModelConfig, tokens: str | float,
+             gpu: str | hardware.Accelerator = "h100-sxm", gpus: int = 1,
              mfu: float = 0.4, dtype: str = "bf16", seq_len: int | None = None,
              flop_mode: str = "6n+attn", price_per_gpu_hour: float | None = None) -> RunEstimate:
     """Time and cost of training `model` on `tokens` tokens with `gpus` GPUs at `mfu`."""
@@ -140,9 +147,9 @@ def estimate(model, tokens, gpu: str | hardware.Accelerator = "h100-sxm", gpus: 
                        gpu_hours, price_per_gpu_hour, cost)
 
 
-def implied_mfu(model, tokens, gpu_hours: float, gpu: str | hardware.Accelerator = "a100-80gb",
-                dtype: str = "bf16", seq_len: int | None = None,
-                flop_mode: str = "6n+attn") -> float:
+def implied_mfu(model: str | Path | configs.ModelConfig, tokens: str | float, gpu_hours: float,
+                gpu: str | hardware.Accelerator = "a100-80gb", dtype: str = "bf16",
+                seq_len: int | None = None, flop_mode: str = "6n+attn") -> float:
     """The MFU a published run implies: its model FLOPs over (GPU-hours * 3600 * peak).
 
     Published GPU-hours cover the whole run (failures, restarts, checkpoints, evaluation,
@@ -265,7 +272,7 @@ def goodput(ideal_hours: float, gpus: int, mtbf_gpu_hours: float, ckpt_minutes: 
 
 
 def simulate_wall_seconds(work_s: float, interval_s: float, ckpt_s: float, mtbf_s: float,
-                          restart_s: float = 0.0, runs: int = 2000, seed: int = 0):
+                          restart_s: float = 0.0, runs: int = 2000, seed: int = 0) -> np.ndarray:
     """Monte-Carlo wall-clock times (numpy array, one per run) of the model behind
     `expected_wall_seconds`: exponential failures that can hit compute, checkpoint writes and
     restarts; a failure throws away the segment in progress and costs a restart."""

@@ -19,10 +19,15 @@ Chapter: book/compute/flops.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from numbers import Integral
+from typing import TYPE_CHECKING
 
 from ..configs import ModelConfig, param_counts
+
+if TYPE_CHECKING:
+    import torch
 
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION_CORE = ("attn_scores", "attn_values")  # the T x T matmuls: what selective recomputes
@@ -213,7 +218,7 @@ _LEAF_COMPONENT = {"q": "attn_qkv", "k": "attn_qkv", "v": "attn_qkv", "o": "attn
 
 
 @contextmanager
-def recomputing(model, early_stop: bool = False):
+def recomputing(model: torch.nn.Module, early_stop: bool = False) -> Iterator[torch.nn.Module]:
     """Full activation recomputation for the duration: every block of the reference model runs
     under `torch.utils.checkpoint` (non-reentrant), so backward recomputes its forward.
 
@@ -242,8 +247,8 @@ def recomputing(model, early_stop: bool = False):
         model.blocks = blocks
 
 
-def measure_flops(model, idx, backward: bool = True, recompute: str = "none",
-                  early_stop: bool = False) -> dict[str, int]:
+def measure_flops(model: torch.nn.Module, idx: torch.Tensor, backward: bool = True,
+                  recompute: str = "none", early_stop: bool = False) -> dict[str, int]:
     """FLOPs `torch.utils.flop_counter.FlopCounterMode` counts for the reference model on `idx`
     (batch, seq): forward, plus the backward of the cross-entropy when `backward`.
 

@@ -16,11 +16,17 @@ from __future__ import annotations
 import ctypes
 import itertools
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from numpy.typing import ArrayLike
 
 PF_DAY = 1e15 * 86400  # FLOPs in one petaflop/s-day, Kaplan et al.'s unit of compute
 HUBER_DELTA = 1e-3
@@ -67,18 +73,18 @@ class ChinchillaFit:
     def G(self) -> float:
         return (self.alpha * self.A / (self.beta * self.B)) ** (1 / (self.alpha + self.beta))
 
-    def loss(self, N, D):
+    def loss(self, N: ArrayLike, D: ArrayLike) -> float | np.ndarray:
         """Predicted final loss of N parameters trained on D tokens."""
         N, D = _positive("N", N), _positive("D", D)
         return _out(self.E + self.A / N ** self.alpha + self.B / D ** self.beta)
 
-    def optimal(self, C):
+    def optimal(self, C: ArrayLike) -> tuple[float | np.ndarray, float | np.ndarray]:
         """(N_opt, D_opt) for a budget of C FLOPs under C = 6 N D (equation 4)."""
         C = _positive("C", C)
         n = self.G * (C / 6) ** self.a
         return _out(n), _out(C / (6 * n))
 
-    def optimal_loss(self, C):
+    def optimal_loss(self, C: ArrayLike) -> float | np.ndarray:
         """The loss at the compute-optimal allocation of C FLOPs."""
         return self.loss(*self.optimal(C))
 
@@ -133,7 +139,7 @@ def compute_optimal(C: float, fit: str | ChinchillaFit = "epoch") -> dict:
             "loss": f.loss(n, d)}
 
 
-def isoflop(C: float, N, fit: str | ChinchillaFit = "epoch"):
+def isoflop(C: float, N: ArrayLike, fit: str | ChinchillaFit = "epoch") -> float | np.ndarray:
     """Predicted loss along the IsoFLOP curve: models of N parameters trained on D = C / (6N)."""
     C, N = _positive("C", C), _positive("N", N)
     return get_fit(fit).loss(N, C / (6 * N))
@@ -145,7 +151,7 @@ KAPLAN = {"alpha_N": 0.076, "N_c": 8.8e13,  # L(N) = (N_c / N)^alpha_N, non-embe
           "N_e": 1.3e9, "p_N": 0.73}  # N_opt = N_e * C_min^p_N, C_min in PF-days (Table 6)
 
 
-def kaplan_loss(N_nonembed):
+def kaplan_loss(N_nonembed: ArrayLike) -> float | np.ndarray:
     """Kaplan et al. 2020 eq. 1.1: loss of a converged model with N non-embedding parameters."""
     N = _positive("N", N_nonembed)
     return _out((KAPLAN["N_c"] / N) ** KAPLAN["alpha_N"])
@@ -205,7 +211,7 @@ def _openblas_thread_setters() -> list:
 
 
 @contextmanager
-def single_threaded_blas():
+def single_threaded_blas() -> Iterator[None]:
     """Run BLAS on one thread inside the block.
 
     scipy >= 1.15's L-BFGS-B makes BLAS calls on 5-vectors; multi-threaded OpenBLAS makes each
@@ -248,8 +254,8 @@ class FitResult:
     converged: int  # starts whose L-BFGS run reported success
 
 
-def fit_parametric(N, D, loss, grid: dict | None = None, delta: float = HUBER_DELTA,
-                   name: str = "fitted") -> FitResult:
+def fit_parametric(N: ArrayLike, D: ArrayLike, loss: ArrayLike, grid: dict | None = None,
+                   delta: float = HUBER_DELTA, name: str = "fitted") -> FitResult:
     """Fit L(N, D) = E + A/N^alpha + B/D^beta by Huber loss on log-loss, L-BFGS from a grid.
 
     `grid` maps each of a, b, e (logs of A, B, E), alpha and beta to the starting values to try;
@@ -291,8 +297,8 @@ def fit_parametric(N, D, loss, grid: dict | None = None, delta: float = HUBER_DE
     return FitResult(fit, float(best.fun), len(N), starts, converged)
 
 
-def bootstrap(N, D, loss, n_boot: int = 20, seed: int = 0, grid: dict | None = None,
-              delta: float = HUBER_DELTA) -> list[ChinchillaFit]:
+def bootstrap(N: ArrayLike, D: ArrayLike, loss: ArrayLike, n_boot: int = 20, seed: int = 0,
+              grid: dict | None = None, delta: float = HUBER_DELTA) -> list[ChinchillaFit]:
     """Refit on `n_boot` resamples (with replacement) of the points: the spread is the uncertainty.
 
     Each resample starts from the full-data optimum plus `grid` (default: none besides it).
@@ -311,7 +317,7 @@ def bootstrap(N, D, loss, n_boot: int = 20, seed: int = 0, grid: dict | None = N
     return fits
 
 
-def chinchilla_points(drop_highest: int = 5):
+def chinchilla_points(drop_highest: int = 5) -> pd.DataFrame:
     """The shipped Figure 4 points as a DataFrame with N, C, D = C/(6N) and loss.
 
     The replication drops the 5 highest-loss points (the first runs of the smallest budgets,
@@ -334,7 +340,7 @@ def fit_chinchilla(grid: dict | None = None, drop_highest: int = 5) -> FitResult
     return fit_parametric(df.N.values, df.D.values, df.loss.values, grid, name="this book")
 
 
-def group_by_budget(df, budgets, tol_dex: float = 0.05):
+def group_by_budget(df: pd.DataFrame, budgets: ArrayLike, tol_dex: float = 0.05) -> pd.DataFrame:
     """Label each point with the FLOP budget within `tol_dex` decades of its C (NaN if none)."""
     budgets = np.asarray(budgets, float)
     dist = np.abs(np.log10(df.C.values)[:, None] - np.log10(budgets)[None, :])
@@ -344,7 +350,7 @@ def group_by_budget(df, budgets, tol_dex: float = 0.05):
 
 # ---------------------------------------------------------------- over-training for inference
 
-def tokens_for_loss(fit: str | ChinchillaFit, N, target: float):
+def tokens_for_loss(fit: str | ChinchillaFit, N: ArrayLike, target: float) -> float | np.ndarray:
     """Training tokens a model of N parameters needs to reach `target` loss (inf if it never
     does)."""
     f = get_fit(fit)

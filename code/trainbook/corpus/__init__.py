@@ -2,3 +2,5 @@
 
 Chapter: book/start/first-run.
 """
+
+from __future__ import annotations

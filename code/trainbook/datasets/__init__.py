@@ -10,6 +10,10 @@ from __future__ import annotations
 import hashlib
 import io
 from importlib import resources
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 DATASETS = {
     "chinchilla-fig4-points": ("chinchilla-fig4-points.csv",
@@ -28,7 +32,7 @@ def read_bytes(name: str) -> bytes:
     return raw
 
 
-def load_csv(name: str):
+def load_csv(name: str) -> pd.DataFrame:
     """A shipped CSV data set as a pandas DataFrame, columns as in the file."""
     import pandas as pd
 

@@ -2,3 +2,5 @@
 
 Chapter: book/parallelism/collectives.
 """
+
+from __future__ import annotations

@@ -28,24 +28,30 @@ Chapter: book/parallelism/context-parallel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..compute import memory
-from ..model import lm_loss
+from ..model import Transformer, lm_loss
 from . import harness
 from .cp_attention import check_attention, check_kind, shard_positions
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # ---------------------------------------------------------------------------------------------
 # The reference model, context parallel
 # ---------------------------------------------------------------------------------------------
 
-def cp_forward(model, idx, positions: list[torch.Tensor], attend, counter: dict | None = None,
-               group=None):
+def cp_forward(model: Transformer, idx: torch.Tensor, positions: list[torch.Tensor],
+               attend: Callable[..., torch.Tensor], counter: dict | None = None,
+               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The reference Transformer's forward on this rank's tokens `idx` (B, T/n) -> logits.
 
     Same modules and weights as `model.forward`; what changes: learned positions and RoPE use
@@ -61,7 +67,9 @@ def cp_forward(model, idx, positions: list[torch.Tensor], attend, counter: dict 
             block.attn.__dict__.pop("core", None)
 
 
-def cp_loss(model, x, y, positions, attend, counter=None, group=None):
+def cp_loss(model: Transformer, x: torch.Tensor, y: torch.Tensor, positions: list[torch.Tensor],
+            attend: Callable[..., torch.Tensor], counter: dict | None = None,
+            group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, float]:
     """(loss to backpropagate, global mean loss): this rank's summed cross-entropy divided by
     the token count of all ranks, so the per-rank gradients add up to the full-batch gradient."""
     logits = cp_forward(model, x, positions, attend, counter, group)
@@ -71,7 +79,7 @@ def cp_loss(model, x, y, positions, attend, counter=None, group=None):
     return local / stats[1], (stats[0] / stats[1]).item()
 
 
-def sync_gradients(model, group=None) -> None:
+def sync_gradients(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Sum the gradients over the CP ranks: they are data-parallel over the sequence's tokens."""
     params = [p for p in model.parameters() if p.grad is not None]
     flat = torch.cat([p.grad.reshape(-1) for p in params])
@@ -95,7 +103,7 @@ class ContextParallelRun(harness.Technique):
     def __post_init__(self):
         check_kind(self.kind)
 
-    def build(self, setup: harness.Setup, mesh) -> None:
+    def build(self, setup: harness.Setup, mesh: DeviceMesh | None) -> None:
         if mesh is None:
             raise ValueError("context-parallel attention needs a process group: use "
                              "trainbook.launch.run(harness.sweep, nprocs, ...)")
@@ -107,11 +115,12 @@ class ContextParallelRun(harness.Technique):
         self.model = harness.build_model(setup)
         self.optimizer = harness.make_optimizer(setup, self.model.parameters())
 
-    def local_batch(self, x, y):
+    def local_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mine = self.positions[self.rank]
         return x[:, mine], y[:, mine]
 
-    def forward_backward(self, x, y):
+    def forward_backward(self, x: torch.Tensor,
+                         y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         first = self.counter is None
         if first:
             self.counter = {}
@@ -121,14 +130,14 @@ class ContextParallelRun(harness.Technique):
         sync_gradients(self.model, self.group)
         return None, torch.tensor(mean)  # already the global mean
 
-    def global_loss(self, loss) -> float:
+    def global_loss(self, loss: torch.Tensor) -> float:
         return loss.item()
 
     def stats(self) -> dict:
         return {"rank": self.rank, "pairs_per_layer": self.counter["pairs"] // self.layers}
 
 
-def estimate_memory(setup: harness.Setup, cp: int):
+def estimate_memory(setup: harness.Setup, cp: int) -> memory.MemoryBreakdown:
     """`compute.memory.estimate` for the setup with the sequence over `cp` ranks (fp32, AdamW,
     the whole global batch on every rank)."""
     return memory.estimate(memory.MemoryInputs(
@@ -140,7 +149,7 @@ def _check_for(kind: str, options: dict, _setup: harness.Setup) -> dict:
     return check_attention(kind, **options)
 
 
-def attention_check(kind: str, **options) -> partial:
+def attention_check(kind: str, **options: Any) -> partial:
     """`check_attention(kind, **options)` as a sweep variant: a picklable callable of the setup."""
     check_kind(kind)
     return partial(_check_for, kind, options)
@@ -150,7 +159,7 @@ def _official_for(options: dict, _setup: harness.Setup) -> dict:
     return official_api_on_cpu(**options)
 
 
-def official_api_probe(**options) -> partial:
+def official_api_probe(**options: int | bool) -> partial:
     """`official_api_on_cpu(**options)` as a sweep variant."""
     return partial(_official_for, options)
 

@@ -13,6 +13,7 @@ Chapter: book/parallelism/context-parallel.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,9 @@ SCHEMES = ("contiguous", "zigzag")
 # The online softmax: attention over key/value blocks, one block at a time
 # ---------------------------------------------------------------------------------------------
 
-def online_softmax_update(state, q, k, v, mask=None):
+def online_softmax_update(state: tuple[torch.Tensor, ...] | None, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Fold one key/value block into the running attention state (acc, m, l) of queries q.
 
     q: (..., Tq, d), k and v: (..., Tk, d), mask: bool (Tq, Tk), True where a query may attend.
@@ -50,7 +53,7 @@ def online_softmax_update(state, q, k, v, mask=None):
     return acc * scale + p @ v, m_new, l * scale + p.sum(-1, keepdim=True)
 
 
-def online_softmax_finish(state):
+def online_softmax_finish(state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output acc / l and the log-sum-exp m + log(l) of each query's scores."""
     acc, m, l = state
     if bool((l == 0).any()):
@@ -59,7 +62,8 @@ def online_softmax_finish(state):
     return acc / l, m + torch.log(l)
 
 
-def attention(q, k, v, q_pos=None, k_pos=None):
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Plain softmax attention with an optional causal mask from global positions: the yardstick."""
     mask = None if q_pos is None else causal_mask(q_pos, k_pos)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -126,8 +130,9 @@ def _repeat_kv(x, n_heads):
     return x if x.shape[1] == n_heads else x.repeat_interleave(n_heads // x.shape[1], dim=1)
 
 
-def allgather_kv_attention(q, k, v, positions: list[torch.Tensor], counter: dict | None = None,
-                           group=None):
+def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           positions: list[torch.Tensor], counter: dict | None = None,
+                           group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence's keys and values.
 
     q: (B, H, T/n, d), k and v: (B, Hkv, T/n, d) for this rank's tokens; positions[r] are the
@@ -161,12 +166,12 @@ class RingShift(torch.autograd.Function):
     other way (r -> r-1), which is exactly the transpose of the forward permutation."""
 
     @staticmethod
-    def forward(ctx, x, group=None):
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         ctx.group = group
         return _shift(x, +1, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _shift(g, -1, ctx.group), None
 
 
@@ -180,8 +185,9 @@ def _shift(x, direction: int, group=None):
     return out
 
 
-def ring_attention(q, k, v, positions: list[torch.Tensor], counter: dict | None = None,
-                   group=None):
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   positions: list[torch.Tensor], counter: dict | None = None,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Attention over the whole sequence with K/V blocks passed around the ring of ranks.
 
     Step t (0..n-1): this rank holds the K/V block of rank (r - t) mod n, folds it into the
@@ -216,14 +222,15 @@ ATTENTION = {"allgather_kv": (allgather_kv_attention, "contiguous"),
 KINDS = tuple(ATTENTION)
 
 
-def check_kind(kind: str):
+def check_kind(kind: str) -> tuple[Callable[..., torch.Tensor], str]:
     if kind not in ATTENTION:
         raise ValueError(f"kind {kind!r} is unknown; use one of {', '.join(ATTENTION)}")
     return ATTENTION[kind]
 
 
 def check_attention(kind: str, batch: int = 2, heads: int = 4, kv_heads: int = 2, seq_len: int = 32,
-                    head_dim: int = 8, seed: int = 0, group=None) -> dict:
+                    head_dim: int = 8, seed: int = 0,
+                    group: dist.ProcessGroup | None = None) -> dict:
     """One rank's largest |difference| from full causal attention: output and dq, dk, dv.
 
     Every rank builds the same full q, k, v and upstream gradient, computes the single-process

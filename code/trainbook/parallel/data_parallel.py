@@ -13,8 +13,10 @@ Chapter: book/parallelism/data-parallel.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,11 +24,15 @@ from torch import nn
 
 from . import harness
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 class DataParallel(nn.Module):
     """`module` replicated over the ranks of `group` (default: all ranks)."""
 
-    def __init__(self, module: nn.Module, bucket_mb: float = 25.0, group=None):
+    def __init__(self, module: nn.Module, bucket_mb: float = 25.0,
+                 group: dist.ProcessGroup | None = None):
         super().__init__()
         if not dist.is_initialized():
             raise ValueError("DataParallel needs a process group: run under torchrun or "
@@ -53,11 +59,11 @@ class DataParallel(nn.Module):
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     @contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no communication) inside this block."""
         self.sync = False
         try:
@@ -110,7 +116,7 @@ class DataParallelRun(harness.Technique):
         if self.accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {self.accumulation}")
 
-    def build(self, setup: harness.Setup, mesh) -> None:
+    def build(self, setup: harness.Setup, mesh: DeviceMesh | None) -> None:
         if mesh is None:
             raise ValueError("data parallelism runs inside a process group: use "
                              "trainbook.launch.run(harness.sweep, nprocs, ...)")
@@ -122,14 +128,15 @@ class DataParallelRun(harness.Technique):
                                                      process_group=group)
         self.optimizer = harness.make_optimizer(setup, self.inner.parameters())
 
-    def local_batch(self, x, y):
+    def local_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = harness.shard((x, y), self.rank, self.world)
         if len(x) % self.accumulation:
             raise ValueError(f"{len(x)} sequences per rank do not split into "
                              f"{self.accumulation} micro-batches")
         return x, y
 
-    def forward_backward(self, x, y):
+    def forward_backward(self, x: torch.Tensor,
+                         y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         total = torch.zeros(())
         for micro, (xm, ym) in enumerate(zip(x.chunk(self.accumulation),
                                              y.chunk(self.accumulation), strict=True)):
@@ -140,7 +147,7 @@ class DataParallelRun(harness.Technique):
             total += loss.detach() / self.accumulation
         return logits, total
 
-    def named_parameters(self):
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.inner.named_parameters()
 
     def stats(self) -> dict:

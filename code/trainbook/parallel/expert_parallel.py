@@ -25,8 +25,10 @@ Chapter: book/parallelism/expert-parallel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +39,11 @@ from ..launch import rank_device
 from ..model import MoE, Transformer
 from . import harness
 from .moe_routing import RoutedMoE, RouteStats, check_moe, route_and_stats
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..compute.memory import MemoryBreakdown
 
 # ---------------------------------------------------------------------------------------------
 # The differentiable all-to-all and the expert-parallel layer
@@ -51,12 +58,13 @@ class AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, send: list[int], recv: list[int], group, counter: dict):
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int],
+                group: dist.ProcessGroup | None, counter: dict) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group, ctx.counter = send, recv, group, counter
         return _all_to_all(x, send, recv, group, counter, "forward_bytes")
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         return _all_to_all(grad, ctx.recv, ctx.send, ctx.group, ctx.counter,
                            "backward_bytes"), None, None, None, None
 
@@ -82,7 +90,8 @@ class ExpertParallelMoE(nn.Module):
     can differ from a single process's on the whole batch.
     """
 
-    def __init__(self, moe: MoE, group=None, capacity_factor: float | None = None):
+    def __init__(self, moe: MoE, group: dist.ProcessGroup | None = None,
+                 capacity_factor: float | None = None):
         super().__init__()
         if not dist.is_initialized():
             raise ValueError("ExpertParallelMoE needs a process group: run under torchrun or "
@@ -100,7 +109,7 @@ class ExpertParallelMoE(nn.Module):
         self.stats: RouteStats | None = None
         self.comm = {"forward_bytes": 0, "backward_bytes": 0, "calls": 0}
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         # 1. route the local tokens; sort the kept assignments by expert (so by destination rank)
@@ -142,7 +151,7 @@ def is_expert(name: str) -> bool:
     return name.startswith("experts.") or ".experts." in name
 
 
-def sync_grads(model: nn.Module, group=None) -> int:
+def sync_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> int:
     """Data-parallel gradient averaging for EP x DP (every EP rank also a DP rank): replicated
     parameters are all-reduced over `group` and divided by its size; each expert lives on one
     rank and already received every rank's contribution through the all-to-all's backward, so
@@ -183,7 +192,7 @@ class ExpertParallelRun(harness.Technique):
     def model_config(self, setup: harness.Setup) -> configs.ModelConfig:
         return setup.model_config().with_(n_experts=self.n_experts, top_k=self.top_k)
 
-    def build(self, setup: harness.Setup, mesh) -> None:
+    def build(self, setup: harness.Setup, mesh: DeviceMesh | None) -> None:
         self.group = mesh["ep"].get_group() if mesh is not None else None
         self.rank = dist.get_rank(self.group) if mesh is not None else 0
         self.world = mesh.size() if mesh is not None else 1
@@ -195,10 +204,11 @@ class ExpertParallelRun(harness.Technique):
         self.optimizer = harness.make_optimizer(setup, self.model.parameters())
         self.routing, self.allreduce_bytes = [], 0
 
-    def local_batch(self, x, y):
+    def local_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return harness.shard((x, y), self.rank, self.world)
 
-    def forward_backward(self, x, y):
+    def forward_backward(self, x: torch.Tensor,
+                         y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         logits, loss = self.model(x, y)
         blocks = self.model.blocks
         if self.aux_weight:
@@ -247,7 +257,8 @@ class ExpertParallelRun(harness.Technique):
                 "params_on_rank": sum(p.numel() for p in self.model.parameters())}
 
 
-def build_model(setup: harness.Setup, run: ExpertParallelRun, layer=None) -> Transformer:
+def build_model(setup: harness.Setup, run: ExpertParallelRun,
+                layer: Callable[[MoE], nn.Module] | None = None) -> Transformer:
     """The seeded harness model, its MLPs mixtures of experts as `run` says, each MoE replaced
     by layer(moe) (default: the single-process `RoutedMoE` with the run's capacity)."""
     torch.manual_seed(setup.seed)
@@ -258,7 +269,7 @@ def build_model(setup: harness.Setup, run: ExpertParallelRun, layer=None) -> Tra
     return model
 
 
-def estimate_memory(setup: harness.Setup, run: ExpertParallelRun, ep: int):
+def estimate_memory(setup: harness.Setup, run: ExpertParallelRun, ep: int) -> MemoryBreakdown:
     """`compute.memory.estimate` for the run's model with dp = ep ranks (fp32, AdamW, this
     rank's share of the global batch)."""
     from ..compute import memory
@@ -273,7 +284,7 @@ def estimate_memory(setup: harness.Setup, run: ExpertParallelRun, ep: int):
 # ---------------------------------------------------------------------------------------------
 
 def check_layer(n_experts: int = 4, top_k: int = 2, tokens_per_rank: int = 16, d_model: int = 32,
-                d_ff: int = 48, seed: int = 0, group=None) -> dict:
+                d_ff: int = 48, seed: int = 0, group: dist.ProcessGroup | None = None) -> dict:
     """Largest differences between ExpertParallelMoE on this rank's tokens and trainbook.model.MoE
     on all ranks' tokens: outputs, input gradients, this rank's expert gradients and the router
     gradient (summed over the ranks). Loss: sum(out * g) with a fixed random g. Call on every
@@ -311,6 +322,6 @@ def _layer_check_for(options: dict, _setup: harness.Setup) -> dict:
     return check_layer(**options)
 
 
-def layer_check(**options) -> partial:
+def layer_check(**options: Any) -> partial:
     """`check_layer(**options)` as a sweep variant: a picklable callable of the setup."""
     return partial(_layer_check_for, options)

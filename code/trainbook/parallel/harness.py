@@ -15,9 +15,9 @@ Chapter: book/parallelism/data-parallel.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,10 @@ from .. import configs
 from ..data import ByteTokenizer, build_dataset
 from ..launch import rank_device
 from ..model import Transformer
+
+if TYPE_CHECKING:
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ def build_model(setup: Setup) -> Transformer:
     return Transformer(setup.model_config())
 
 
-def make_optimizer(setup: Setup, params) -> torch.optim.Optimizer:
+def make_optimizer(setup: Setup, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     if setup.optimizer == "sgd":
         return torch.optim.SGD(params, lr=setup.lr)
     return torch.optim.AdamW(params, lr=setup.lr, weight_decay=0.0)
@@ -82,7 +86,8 @@ def global_batches(setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def shard(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int):
+def shard(batch: tuple[torch.Tensor, torch.Tensor], rank: int,
+          world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank r's contiguous slice of a global batch."""
     x, y = batch
     if len(x) % world:
@@ -125,16 +130,17 @@ class Technique:
         collectives, even inside a process group); each technique takes its groups here."""
         return {} if self.mesh_dim is None else {self.mesh_dim: world}
 
-    def build(self, setup: Setup, mesh) -> None:
+    def build(self, setup: Setup, mesh: DeviceMesh | None) -> None:
         """Make `self.model` (what a step calls) and `self.optimizer`; mesh is None alone."""
         self.model = build_model(setup)
         self.optimizer = make_optimizer(setup, self.model.parameters())
 
-    def local_batch(self, x: torch.Tensor, y: torch.Tensor):
+    def local_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of a global batch (default: all of it)."""
         return x, y
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor):
+    def forward_backward(self, x: torch.Tensor,
+                         y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Forward and backward on this rank's batch: (logits or None, the rank's loss detached).
         The logits are returned so that a step keeps them alive until the optimizer has run,
         as a training loop does (it matters for the memory peak)."""
@@ -142,7 +148,7 @@ class Technique:
         loss.backward()
         return logits, loss.detach()
 
-    def named_parameters(self):
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(reference name, parameter) pairs, possibly sharded (DTensor)."""
         return self.model.named_parameters()
 
@@ -171,7 +177,7 @@ class Technique:
         """What the technique counted over the run (bytes, calls, buckets, ...), by name."""
         return {}
 
-    def memory_tracker_cls(self):
+    def memory_tracker_cls(self) -> type[MemTracker] | None:
         """The MemTracker class for `measure_memory` (None: PyTorch's own)."""
         return None
 

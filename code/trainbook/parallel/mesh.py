@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ from ..launch import rank_device
 from ..layout import Layout, check_layout
 from ..train import engine
 from . import harness
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _full(tensors: dict) -> dict[str, torch.Tensor]:
@@ -76,7 +80,7 @@ class ComposedRun(harness.Technique):
                              f"got {world}; launch with nprocs={self.layout.gpus}")
         return self.layout.mesh_shape()
 
-    def build(self, setup: harness.Setup, mesh) -> None:
+    def build(self, setup: harness.Setup, mesh: DeviceMesh | None) -> None:
         if mesh is None:
             raise ValueError("ComposedRun runs inside a process group: use "
                              "trainbook.launch.run(harness.sweep, nprocs=layout.gpus, ...)")
@@ -94,14 +98,15 @@ class ComposedRun(harness.Technique):
         self.optimizer = harness.make_optimizer(
             setup, [p for part in self.engine.parts for p in part.parameters()])
 
-    def local_batch(self, x, y):
+    def local_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return harness.shard((x, y), self.dp_rank, self.layout.dp)
 
-    def forward_backward(self, x, y):
+    def forward_backward(self, x: torch.Tensor,
+                         y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         batches = list(zip(x.chunk(self.microbatches), y.chunk(self.microbatches), strict=True))
         return None, self.engine.step(batches)  # None on pipeline ranks without the last stage
 
-    def global_loss(self, loss) -> float:
+    def global_loss(self, loss: torch.Tensor | None) -> float:
         return engine.global_loss(loss, self.device)
 
     def _named(self, get) -> dict[str, torch.Tensor]:

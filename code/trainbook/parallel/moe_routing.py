@@ -39,7 +39,7 @@ def check_moe(n_experts: int, top_k: int, ep: int = 1,
                          f"got {capacity_factor}")
 
 
-def route(logits: torch.Tensor, top_k: int):
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights, chosen, probs): top-k experts per token, softmax over the chosen k logits
     (Mixtral), and the softmax over all experts (for the load-balancing loss)."""
     check_moe(logits.shape[-1], top_k)
@@ -105,7 +105,8 @@ class RouteStats:
 
 
 def route_and_stats(router: nn.Linear, x: torch.Tensor, top_k: int, factor: float | None,
-                     distributed: bool = False, group=None):
+                    distributed: bool = False, group: dist.ProcessGroup | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RouteStats]:
     """Route flat tokens x; apply capacity; statistics. When distributed, the counts in f_i are
     summed over the ranks of `group`, so the ranks' aux losses average to the global-batch one."""
     logits = router(x)
@@ -137,7 +138,7 @@ class RoutedMoE(nn.Module):
         self.router, self.experts = moe.router, moe.experts
         self.stats: RouteStats | None = None
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, chosen, keep, self.stats = route_and_stats(self.router, x, self.top_k,

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +58,11 @@ from .pipeline_schedules import (
     schedule_order,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import PipelineStage
+
 
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -65,7 +72,7 @@ def _sync() -> None:
 class Events:
     """Per-rank timeline: (op, micro-batch, start, end) in seconds from a shared zero."""
 
-    def __init__(self, rank: int, group=None):
+    def __init__(self, rank: int, group: dist.ProcessGroup | None = None):
         self.rank, self.rows = rank, []
         dist.barrier(group=group)  # ranks leave the barrier at nearly the same time: a common 0
         here = (socket.gethostname(), time.perf_counter())
@@ -75,7 +82,8 @@ class Events:
         # exactly; across hosts the barrier is the best alignment (skew ~ its latency)
         self.t0 = zeros[0][1] if zeros[0][0] == here[0] else here[1]
 
-    def timed(self, op: str, mb: int, fn, *args, stage: int | None = None):
+    def timed(self, op: str, mb: int, fn: Callable[..., Any], *args: Any,
+              stage: int | None = None) -> Any:
         _sync()
         start = time.perf_counter() - self.t0
         out = fn(*args)
@@ -86,8 +94,8 @@ class Events:
         return out
 
 
-def scratch_step(stage: Stage, x, y, kind: str, m: int, events: Events | None = None,
-                 group=None) -> dict:
+def scratch_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, kind: str, m: int,
+                 events: Events | None = None, group: dist.ProcessGroup | None = None) -> dict:
     """One pipeline step of the from-scratch schedule `kind` on this rank's stage.
 
     x, y: the whole global batch (every rank has the data; only the ends use it). Returns the
@@ -143,7 +151,7 @@ def _d_model(stage: Stage) -> int:
     return next(iter(stage.blocks.values())).attn.o.out_features
 
 
-def sync_tied(stage_modules: list[Stage], first_and_last) -> None:
+def sync_tied(stage_modules: list[Stage], first_and_last: dist.ProcessGroup) -> None:
     """Sum the tied embedding/head gradient over the ranks holding the first and the last stage."""
     for st in stage_modules:
         if st.tied and (st.is_first or st.is_last):
@@ -157,7 +165,7 @@ def sync_tied(stage_modules: list[Stage], first_and_last) -> None:
 # Training through the teaching loop
 # ---------------------------------------------------------------------------------------------
 
-def time_native(stage, events: Events) -> None:
+def time_native(stage: PipelineStage, events: Events) -> None:
     """Wrap a PipelineStage's per-micro-batch compute calls so they land on the timeline."""
     fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
     bww = stage.backward_weight_one_chunk
@@ -218,7 +226,7 @@ class PipelineRun(harness.Technique):
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
 
-    def build(self, setup: harness.Setup, mesh) -> None:
+    def build(self, setup: harness.Setup, mesh: DeviceMesh | None) -> None:
         if mesh is None:
             raise ValueError("a pipeline needs a process group: use "
                              "trainbook.launch.run(harness.sweep, nprocs, ...)")
@@ -258,7 +266,8 @@ class PipelineRun(harness.Technique):
                 pipe.__dict__.pop(name, None)
         return ([t.detach() for t in losses] if last else [None]), None
 
-    def pipeline_step(self, x, y, events: Events | None = None):
+    def pipeline_step(self, x: torch.Tensor, y: torch.Tensor, events: Events | None = None
+                      ) -> tuple[list[torch.Tensor | None], int | None]:
         """Forward and backward of every micro-batch: (micro-batch losses or [None], peak in
         flight); the tied embedding's two gradients summed."""
         if self.kind in SCRATCH:
@@ -271,7 +280,8 @@ class PipelineRun(harness.Technique):
             sync_tied(self.stages, self.first_and_last)
         return losses, peak
 
-    def forward_backward(self, x, y):
+    def forward_backward(self, x: torch.Tensor,
+                         y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         last = self.step_index == self.steps - 1  # time the last step: the first sets up
         events = Events(dist.get_rank(self.group), self.group) if last else None
         losses, peak = self.pipeline_step(x, y, events)
@@ -282,7 +292,7 @@ class PipelineRun(harness.Technique):
             return None, torch.zeros((), device=rank_device())
         return None, torch.stack(losses).mean()
 
-    def global_loss(self, loss) -> float:
+    def global_loss(self, loss: torch.Tensor) -> float:
         """The last stage's loss, shared with every rank of the pipeline."""
         loss = loss.detach().clone()
         dist.broadcast(loss, group=self.group, group_src=_last_rank(self.kind, self.mesh.size()))
@@ -309,11 +319,11 @@ class PipelineRun(harness.Technique):
     def parameters(self) -> dict[str, torch.Tensor]:
         return self._named(grads=False)
 
-    def train_step(self, x, y) -> None:
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.pipeline_step(x, y)
         self.optimizer_step()
 
-    def memory_tracker_cls(self):
+    def memory_tracker_cls(self) -> type[MemTracker]:
         return _tracker_cls()
 
     def stats(self) -> dict:

@@ -11,7 +11,17 @@ Chapter: book/parallelism/pipeline-parallel.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..model import lm_loss
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+    )
+
+    from ..configs import ModelConfig
 
 SCRATCH = ("gpipe", "1f1b")
 NATIVE = ("native-gpipe", "native-1f1b", "native-interleaved", "native-zero-bubble")
@@ -42,7 +52,8 @@ def native_stage_indices(kind: str, p: int, rank: int) -> tuple[int, list[int]]:
     raise ValueError(f"native schedule must be one of {NATIVE}, got {kind!r}")
 
 
-def native_schedule(kind: str, stages: list, m: int):
+def native_schedule(kind: str, stages: list,
+                    m: int) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """The torch.distributed.pipelining schedule object for `kind` over this rank's stages."""
     from torch.distributed.pipelining import (
         Schedule1F1B,
@@ -59,7 +70,7 @@ def native_schedule(kind: str, stages: list, m: int):
     return ScheduleZBVZeroBubble(stages, m, loss_fn=lm_loss)
 
 
-def planned(sched) -> dict[int, list[str | None]]:
+def planned(sched: PipelineScheduleSingle | PipelineScheduleMulti) -> dict[int, list[str | None]]:
     """A native schedule's planned compute actions per rank ("0F1": stage 0, forward,
     micro-batch 1; "I"/"W": the input and weight halves of a split backward; None: an idle
     slot). This is the plan every rank computes, not a measurement."""
@@ -105,7 +116,7 @@ def idle_fraction(events: list[list[dict]]) -> float:
     return 1 - busy / (len(events) * span)
 
 
-def stage_activation_bytes(cfg, stage: int, p: int, in_flight: int, micro_batch: int,
+def stage_activation_bytes(cfg: ModelConfig, stage: int, p: int, in_flight: int, micro_batch: int,
                            seq_len: int, dtype: str = "fp32") -> float:
     """Stored activations of one stage: in-flight micro-batches x its layers' bytes
     (`compute.memory.reference_layer_bytes`), plus the last stage's final-norm and logits."""

@@ -11,7 +11,9 @@ Chapter: book/parallelism/putting-it-together.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from .. import configs
 from ..compute import flops
@@ -119,8 +121,10 @@ def explain(layout: Layout | str, job: Job, cluster: Cluster) -> str:
     return f"{head}: infeasible: " + "; ".join(p.reasons)
 
 
-def enumerate_layouts(job: Job, cluster: Cluster, zero=(0, 1, 2, 3), micro_batches=(1, 2, 4, 8),
-                      recompute=RECOMPUTE, interleave=(1, 2, 4), max_cp: int = 16) -> list[Layout]:
+def enumerate_layouts(job: Job, cluster: Cluster, zero: Sequence[int] = (0, 1, 2, 3),
+                      micro_batches: Sequence[int] = (1, 2, 4, 8),
+                      recompute: Sequence[str] = RECOMPUTE, interleave: Sequence[int] = (1, 2, 4),
+                      max_cp: int = 16) -> list[Layout]:
     """Every layout whose sizes multiply to the GPU count and obey `check_rules`."""
     cfg, n = job.model, cluster.gpus
     out = []
@@ -146,7 +150,7 @@ def enumerate_layouts(job: Job, cluster: Cluster, zero=(0, 1, 2, 3), micro_batch
     return out
 
 
-def rank(job: Job, cluster: Cluster, **options) -> list[Plan]:
+def rank(job: Job, cluster: Cluster, **options: Any) -> list[Plan]:
     """Feasible layouts, fastest estimated step first (ties: less memory first)."""
     plans = [evaluate(lay, job, cluster) for lay in enumerate_layouts(job, cluster, **options)]
     ok = [p for p in plans if p.feasible]
@@ -164,7 +168,7 @@ def best_per_shape(plans: list[Plan]) -> list[Plan]:
     return out
 
 
-def find(plans: list[Plan], **shape) -> tuple[int, Plan] | None:
+def find(plans: list[Plan], **shape: int | str) -> tuple[int, Plan] | None:
     """(0-based position, plan) of the first plan matching the given fields, or None."""
     for i, p in enumerate(plans):
         if all(getattr(p.layout, k) == v for k, v in shape.items()):
@@ -204,7 +208,7 @@ LLAMA3_405B = dict(gpus=16384, tp=8, cp=1, pp=16, dp=128, seq_len=8192,
                    global_batch_tokens=16 * 128 * 8192, tflops_per_gpu=400, mfu=0.41)
 
 
-def narayanan_check(row: tuple, micro_batches=(1, 2, 4, 8)) -> Plan:
+def narayanan_check(row: tuple, micro_batches: Sequence[int] = (1, 2, 4, 8)) -> Plan:
     """The best feasible variant (micro-batch, ZeRO 0 as in the paper, full recompute) of one
     Table 1 row on A100 80GB, or the infeasible micro-batch-1 plan if none fits."""
     billions, _, _, _, t, p, n, B, _ = row

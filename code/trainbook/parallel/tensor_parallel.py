@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,11 +38,16 @@ from torch import nn
 
 from ..configs import ModelConfig
 from ..launch import rank_device
-from ..model import Attention, Transformer
+from ..model import Attention, Rope, Transformer
 from ..train.parallelize import tp_plan
 from . import harness
 from .tp_comm import Comm, enter_tp, exit_tp, mark_replicated, shard_parameter
 from .vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..compute.memory import MemoryBreakdown
 
 KINDS = ("scratch", "scratch_sp", "dtensor", "dtensor_sp")
 
@@ -76,7 +82,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = shard_parameter(linear.weight, 0, comm)
         self.bias = shard_parameter(linear.bias, 0, comm) if linear.bias is not None else None
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
@@ -91,7 +97,7 @@ class RowParallelLinear(nn.Module):
         self.bias = (mark_replicated(copy.deepcopy(linear.bias), comm)
                      if linear.bias is not None else None)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = exit_tp(F.linear(x, self.weight), self.comm)
         return z + self.bias if self.bias is not None else z
 
@@ -108,7 +114,7 @@ class TPAttention(Attention):
         self.q, self.k, self.v = (ColumnParallelLinear(m, comm) for m in (attn.q, attn.k, attn.v))
         self.o = RowParallelLinear(attn.o, comm)
 
-    def forward(self, x, rope=None):
+    def forward(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         return super().forward(enter_tp(x, self.comm), rope)
 
 
@@ -124,7 +130,7 @@ class TPMLP(nn.Module):
         self.up = ColumnParallelLinear(mlp.up, comm)
         self.down = RowParallelLinear(mlp.down, comm)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_tp(x, self.comm)
         if self.swiglu:
             return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -144,7 +150,7 @@ class SequenceParallelPositions(nn.Embedding):
         self.comm = comm
         self.weight = mark_replicated(nn.Parameter(pos.weight.detach().clone()), comm)
 
-    def forward(self, positions):
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
         full = super().forward(positions)  # (T, d_model)
         if not self.comm.sp:
             return full
@@ -160,7 +166,7 @@ class ParallelHead(ColumnParallelLinear):
         super().__init__(linear, comm)
         self.comm = comm
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(enter_tp(x, self.comm, "head"))
 
 
@@ -188,7 +194,8 @@ def parallelize_scratch(model: Transformer, comm: Comm) -> Transformer:
     return model
 
 
-def scratch_loss(model: Transformer, comm: Comm, x: torch.Tensor, y: torch.Tensor):
+def scratch_loss(model: Transformer, comm: Comm, x: torch.Tensor,
+                 y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's logits slice (B, T, V / tp), mean loss over all tokens): the model's forward,
     then the vocabulary-parallel cross-entropy in place of `lm_loss`."""
     logits, _ = model(x)  # through __call__, so module hooks (CommDebugMode) see the root
@@ -209,7 +216,8 @@ def sync_sequence_parallel_grads(model: nn.Module, comm: Comm) -> None:
         p.grad.copy_(g.view_as(p))
 
 
-def full_tensors(model: nn.Module, what: str = "grad", group=None) -> dict[str, torch.Tensor]:
+def full_tensors(model: nn.Module, what: str = "grad",
+                 group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
     """Gradients ('grad') or weights ('data') by reference name, shards gathered to full size
     over `group` (default: all ranks). Works for both the scratch model (tp_dim attributes) and
     DTensor parameters."""
@@ -262,7 +270,7 @@ def theory_counts(cfg: ModelConfig, sp: bool, batch: int, seq_len: int) -> list[
 # ---------------------------------------------------------------------------------------------
 
 def parallelize_dtensor(model: Transformer, sp: bool = False, shared_input: bool = True,
-                        mesh=None):
+                        mesh: DeviceMesh | None = None) -> tuple[Transformer, DeviceMesh]:
     """Shard the reference model in place with DTensor over the 1-D `mesh` (default: all ranks);
     returns (model, mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -296,7 +304,7 @@ class TensorParallelRun(harness.Technique):
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
 
-    def build(self, setup: harness.Setup, mesh) -> None:
+    def build(self, setup: harness.Setup, mesh: DeviceMesh | None) -> None:
         if mesh is None:
             raise ValueError("tensor parallelism needs a process group: run under torchrun or "
                              "trainbook.launch.run(harness.sweep, nprocs, ...)")
@@ -313,7 +321,8 @@ class TensorParallelRun(harness.Technique):
         self.optimizer = harness.make_optimizer(setup, self.model.parameters())
         self.first_step_counts = None
 
-    def forward_backward(self, x, y):
+    def forward_backward(self, x: torch.Tensor,
+                         y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         if self.comm is None:
             from torch.distributed.tensor.parallel import loss_parallel
             with loss_parallel():
@@ -339,7 +348,7 @@ class TensorParallelRun(harness.Technique):
         return {"counts": self.first_step_counts, "rank": dist.get_rank(self.group)}
 
 
-def estimate_memory(setup: harness.Setup, tp: int, sp: bool):
+def estimate_memory(setup: harness.Setup, tp: int, sp: bool) -> MemoryBreakdown:
     """The memory estimator's per-rank figure for this setup (fp32, whole global batch per rank).
     Compare with AdamW: the estimator's "sgd" has a momentum buffer, the harness's SGD none."""
     from ..compute.memory import MemoryInputs, estimate

@@ -41,13 +41,14 @@ class Comm:
         c[0] += 1
         c[1] += t.numel() * t.element_size()
 
-    def all_reduce(self, x, phase, where, op=dist.ReduceOp.SUM):
+    def all_reduce(self, x: torch.Tensor, phase: str, where: str,
+                   op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         x = x.contiguous().clone()  # gloo: contiguous; clone: never modify a saved tensor
         self.record("all_reduce", phase, where, x)
         dist.all_reduce(x, op=op, group=self.group)
         return x
 
-    def all_gather(self, x, dim, phase, where):
+    def all_gather(self, x: torch.Tensor, dim: int, phase: str, where: str) -> torch.Tensor:
         """Concatenate every rank's x along dim (each rank holds one contiguous chunk)."""
         x = x.movedim(dim, 0).contiguous()
         out = x.new_empty((self.tp * x.shape[0], *x.shape[1:]))
@@ -55,7 +56,8 @@ class Comm:
         dist.all_gather_single(out, x, group=self.group)
         return out.movedim(0, dim).contiguous()  # one copy, shared by every layer that reads it
 
-    def reduce_scatter(self, x, dim, phase, where):
+    def reduce_scatter(self, x: torch.Tensor, dim: int, phase: str,
+                       where: str) -> torch.Tensor:
         """Sum x over ranks and keep this rank's chunk along dim."""
         x = x.movedim(dim, 0).contiguous()
         self.record("reduce_scatter", phase, where, x)
@@ -82,12 +84,12 @@ class CopyToTP(torch.autograd.Function):
     """f: identity forward; all-reduce backward (each rank holds part of the input gradient)."""
 
     @staticmethod
-    def forward(ctx, x, comm, where):
+    def forward(ctx, x: torch.Tensor, comm: Comm, where: str) -> torch.Tensor:
         ctx.comm, ctx.where = comm, where
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return ctx.comm.all_reduce(grad, "backward", ctx.where), None, None
 
 
@@ -95,11 +97,11 @@ class ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward (sum the partial outputs); identity backward."""
 
     @staticmethod
-    def forward(ctx, x, comm, where):
+    def forward(ctx, x: torch.Tensor, comm: Comm, where: str) -> torch.Tensor:
         return comm.all_reduce(x, "forward", where)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return grad, None, None
 
 
@@ -107,12 +109,12 @@ class GatherSequence(torch.autograd.Function):
     """SP entry: all-gather the sequence shards forward; reduce-scatter the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, comm, where):
+    def forward(ctx, x: torch.Tensor, comm: Comm, where: str) -> torch.Tensor:
         ctx.comm, ctx.where = comm, where
         return comm.all_gather(x, 1, "forward", where)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return ctx.comm.reduce_scatter(grad, 1, "backward", ctx.where), None, None
 
 
@@ -120,21 +122,21 @@ class ScatterSequence(torch.autograd.Function):
     """SP exit: reduce-scatter partial sums to sequence shards forward; all-gather backward."""
 
     @staticmethod
-    def forward(ctx, x, comm, where):
+    def forward(ctx, x: torch.Tensor, comm: Comm, where: str) -> torch.Tensor:
         ctx.comm, ctx.where = comm, where
         return comm.reduce_scatter(x, 1, "forward", where)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return ctx.comm.all_gather(grad, 1, "backward", ctx.where), None, None
 
 
-def enter_tp(x, comm: Comm, where: str = "block"):
+def enter_tp(x: torch.Tensor, comm: Comm, where: str = "block") -> torch.Tensor:
     """Into a TP region: f (TP), or all-gather the sequence (TP + SP)."""
     return (GatherSequence if comm.sp else CopyToTP).apply(x, comm, where)
 
 
-def exit_tp(x, comm: Comm, where: str = "block"):
+def exit_tp(x: torch.Tensor, comm: Comm, where: str = "block") -> torch.Tensor:
     """Out of a TP region: g (TP), or reduce-scatter to sequence shards (TP + SP)."""
     return (ScatterSequence if comm.sp else ReduceFromTP).apply(x, comm, where)
 

@@ -28,7 +28,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = shard_parameter(embed.weight, 0, comm)
         self.start = comm.rank * self.weight.shape[0]
 
-    def forward(self, idx):
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
         local = idx - self.start
         inside = (local >= 0) & (local < self.weight.shape[0])
         out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
@@ -56,7 +56,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     are each all-reduced. Backward is local: softmax minus one-hot, on this rank's columns."""
 
     @staticmethod
-    def forward(ctx, logits, targets, comm, start):
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, comm: Comm,
+                start: int) -> torch.Tensor:
         logits = logits.float()
         gmax = comm.all_reduce(_local_max(logits), "forward", "loss", op=dist.ReduceOp.MAX)
         total = comm.all_reduce(_local_sum_exp(logits, gmax), "forward", "loss")
@@ -67,14 +68,15 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return (total.log() + gmax - target).mean()
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         softmax, local, inside = ctx.saved_tensors
         g = softmax.clone()
         g[torch.arange(len(g)), local] -= inside.to(g.dtype)
         return g * (grad / len(g)), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, comm: Comm, start: int):
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm: Comm,
+                                 start: int) -> torch.Tensor:
     return VocabParallelCrossEntropy.apply(logits, targets, comm, start)
 
 
@@ -95,7 +97,7 @@ def emulate_vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Te
 
 
 def cross_entropy_rank(logits: torch.Tensor, targets: torch.Tensor,
-                       group=None) -> tuple[float, torch.Tensor]:
+                       group: dist.ProcessGroup | None = None) -> tuple[float, torch.Tensor]:
     """Run on every rank of `group` (default: all) with the same full (N, V) logits: this rank
     keeps its V / tp columns, computes the vocabulary-parallel loss and its gradient. Returns
     (loss, gradient shard), to check against F.cross_entropy (tests and notebook)."""

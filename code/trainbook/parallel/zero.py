@@ -32,8 +32,10 @@ Chapter: book/parallelism/zero-fsdp.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,11 @@ from torch import nn
 
 from ..bench.collectives import bus_factor
 from . import harness
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..compute.memory import MemoryBreakdown
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 KINDS = ("ddp", "zero1", "zero2", "zero3", "zero_redundancy_optimizer", "fsdp2")
@@ -50,7 +57,7 @@ class FlatUnit:
     """One unit's parameters in a flat buffer padded to a multiple of the world size."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], rank: int, world: int, stage: int,
-                 counters: dict, group=None):
+                 counters: dict, group: dist.ProcessGroup | None = None):
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.world, self.stage, self.counters, self.group = world, stage, counters, group
         self.numel = sum(p.numel() for p in self.params)
@@ -125,8 +132,9 @@ class ZeRO(nn.Module):
     start from the same weights (here: the same seeded construction).
     """
 
-    def __init__(self, module: nn.Module, stage: int, make_optimizer,
-                 units: list[nn.Module] | None = None, group=None):
+    def __init__(self, module: nn.Module, stage: int,
+                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 units: list[nn.Module] | None = None, group: dist.ProcessGroup | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
@@ -160,7 +168,7 @@ class ZeRO(nn.Module):
                 module.register_forward_pre_hook(partial(self._before_forward, self.root))
                 module.register_forward_hook(partial(self._after_forward, self.root))
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     # stage 3: parameters exist only around the unit's forward and backward
@@ -269,7 +277,7 @@ class ZeroRun(harness.Technique):
         if self.reshard_after_forward is not True and self.kind != "fsdp2":
             raise ValueError("reshard_after_forward applies to kind 'fsdp2' only")
 
-    def build(self, setup: harness.Setup, mesh) -> None:
+    def build(self, setup: harness.Setup, mesh: DeviceMesh | None) -> None:
         if mesh is None:
             raise ValueError("ZeroRun runs inside a process group: use "
                              "trainbook.launch.run(harness.sweep, nprocs, ...)")
@@ -306,17 +314,18 @@ class ZeroRun(harness.Technique):
             fully_shard(model, mesh=mesh, mp_policy=mp)
             self.model, self.optimizer = model, make_opt(model.parameters())
 
-    def local_batch(self, x, y):
+    def local_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return harness.shard((x, y), self.rank, self.world)
 
-    def forward_backward(self, x, y):
+    def forward_backward(self, x: torch.Tensor,
+                         y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         logits, loss = self.model(x, y)
         loss.backward()
         if self.zero is not None:
             self.zero.reduce_gradients()
         return logits, loss.detach()
 
-    def named_parameters(self):
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.inner.named_parameters()
 
     def gradients(self) -> dict[str, torch.Tensor]:
@@ -336,7 +345,7 @@ class ZeroRun(harness.Technique):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def train_step(self, x, y) -> None:
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         with warnings.catch_warnings():  # MemTracker's own gradient hook runs after ZeRO's,
             # which has already moved the gradient into the flat buffer: it sees None and warns
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")
@@ -385,7 +394,7 @@ def workspace_probe(numel: int) -> partial:
     return partial(_workspace_of, numel)
 
 
-def estimate_rank(setup: harness.Setup, kind: str, world: int = 2):
+def estimate_rank(setup: harness.Setup, kind: str, world: int = 2) -> MemoryBreakdown:
     """The memory estimator's breakdown for `kind` on `world` ranks (fp32, the setup's optimizer,
     one micro-batch of global_batch / world sequences)."""
     from ..compute.memory import MemoryInputs, estimate

@@ -4,3 +4,5 @@ So far: `sweeps` (training sweeps for the scaling-law chapter of Part 1).
 
 Chapter: book/compute/scaling-laws.
 """
+
+from __future__ import annotations

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import io
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -20,7 +22,8 @@ from .. import configs
 from ..train import TrainConfig, train
 
 
-def train_sweep(shapes, steps, **train_kwargs):
+def train_sweep(shapes: Sequence[tuple[int, int]], steps: Sequence[int], **train_kwargs: Any
+                ) -> tuple[pd.DataFrame, dict[tuple[int, int, int], list[float]]]:
     """Train the reference model at each (d_model, n_layers) in `shapes` for each step count.
 
     Returns (table, histories): one row per run with N (all parameters, Chinchilla's count),

@@ -8,6 +8,8 @@ loads (atomic single files, or sharded with torch.distributed.checkpoint).
 Chapter: book/start/first-run; book/parallelism/putting-it-together (layouts).
 """
 
+from __future__ import annotations
+
 from .checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_fields, layout_for, model_config, read_layout
 from .engine import evaluate

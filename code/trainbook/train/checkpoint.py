@@ -85,7 +85,8 @@ def as_one_module(parts: list) -> torch.nn.Module:
     return one
 
 
-def save_sharded(path: str | Path, parts: list, optimizer, extra: dict) -> None:
+def save_sharded(path: str | Path, parts: list, optimizer: torch.optim.Optimizer,
+                 extra: dict) -> None:
     """Every rank writes its shards of model and optimizer state (DCP); rank 0 the extra state,
     last, so a folder with `extra.pt` in it is complete."""
     import torch.distributed.checkpoint as dcp
@@ -102,7 +103,7 @@ def save_sharded(path: str | Path, parts: list, optimizer, extra: dict) -> None:
         dist.barrier()
 
 
-def load_sharded(path: str | Path, parts: list, optimizer) -> dict:
+def load_sharded(path: str | Path, parts: list, optimizer: torch.optim.Optimizer) -> dict:
     """Load a DCP checkpoint into this layout's model parts and optimizer (resharding as
     needed); returns the extra state."""
     import torch.distributed.checkpoint as dcp

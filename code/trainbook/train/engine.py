@@ -11,7 +11,9 @@ Chapter: book/parallelism/putting-it-together.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,13 +22,16 @@ from torch import nn
 from ..layout import Layout
 from . import parallelize as par
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (a replicated loss under TP), or the tensor itself."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def global_loss(loss: torch.Tensor | None, device) -> float:
+def global_loss(loss: torch.Tensor | None, device: torch.device) -> float:
     """The mean of the losses held across ranks (pipeline ranks without the last stage hold
     none). One all-reduce of (sum, count); gloo has no ReduceOp.AVG."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -42,13 +47,13 @@ class Plain:
     """One process, or DDP: each micro-batch forward and backward, gradients synchronised on
     the last one only (`no_sync`), loss scaled for fp16."""
 
-    def __init__(self, model: nn.Module, train_model: nn.Module, ddp_enabled: bool, autocast,
-                 scaler):
+    def __init__(self, model: nn.Module, train_model: nn.Module, ddp_enabled: bool,
+                 autocast: Callable[[], AbstractContextManager], scaler: torch.amp.GradScaler):
         self.model, self.train_model, self.ddp = model, train_model, ddp_enabled
         self.autocast, self.scaler = autocast, scaler
         self.parts = [model]
 
-    def step(self, batches) -> torch.Tensor:
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         loss_sum = None
         for micro, (x, y) in enumerate(batches):
             sync = not self.ddp or micro == len(batches) - 1
@@ -58,12 +63,13 @@ class Plain:
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
         return loss_sum / len(batches)
 
-    def clip(self, optimizer, max_norm: float) -> torch.Tensor:
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         self.scaler.unscale_(optimizer)
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     @torch.no_grad()
-    def evaluate(self, blocks: torch.Tensor, batch_size: int, batches: int, device) -> float:
+    def evaluate(self, blocks: torch.Tensor, batch_size: int, batches: int,
+                 device: torch.device) -> float:
         """Mean loss over the first `batches` batches of `blocks` (a fixed, comparable set)."""
         return evaluate(self.model, blocks, batch_size, batches, device, self.autocast,
                          nullcontext)
@@ -72,8 +78,8 @@ class Plain:
 class Composed:
     """FSDP/HSDP x TP x PP: the parts this rank holds, a pipeline schedule when pp > 1."""
 
-    def __init__(self, model: nn.Module, layout: Layout, mesh, device, autocast,
-                 n_microbatches: int):
+    def __init__(self, model: nn.Module, layout: Layout, mesh: DeviceMesh, device: torch.device,
+                 autocast: Callable[[], AbstractContextManager], n_microbatches: int):
         self.layout, self.mesh, self.device, self.autocast = layout, mesh, device, autocast
         self.pp_rank = mesh.get_local_rank("pp")
         self.parts = par.parallelize(model, layout, mesh, self.pp_rank)
@@ -85,7 +91,7 @@ class Composed:
         self.last = any(getattr(p, "is_last", True) for p in self.parts)
         self.fsdp = layout.dp > 1  # every dp layout of a composed run goes through FSDP2
 
-    def loss_context(self):
+    def loss_context(self) -> AbstractContextManager:
         """Vocabulary-parallel loss on sharded logits (TP without PP; with PP the head returns
         whole logits for the schedule's loss)."""
         if self.layout.tp > 1 and self.layout.pp == 1:
@@ -102,7 +108,7 @@ class Composed:
             run(*args, **kwargs)
         return torch.stack([local(t) for t in losses]).mean() if losses else None
 
-    def step(self, batches):
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         if self.schedule is not None:  # the micro-batches go through the pipeline together
             x = torch.cat([b[0] for b in batches])
             y = torch.cat([b[1] for b in batches])
@@ -118,13 +124,14 @@ class Composed:
             loss_sum = loss if loss_sum is None else loss_sum + loss
         return loss_sum / len(batches)
 
-    def clip(self, optimizer, max_norm: float) -> torch.Tensor:
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         params = [p for part in self.parts for p in part.parameters()]
         group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
         return par.clip_grad_norm_(params, max_norm, group)
 
     @torch.no_grad()
-    def evaluate(self, blocks: torch.Tensor, batch_size: int, batches: int, device) -> float:
+    def evaluate(self, blocks: torch.Tensor, batch_size: int, batches: int,
+                 device: torch.device) -> float:
         if self.schedule is None:
             return evaluate(self.parts[0], blocks, batch_size, batches, device, self.autocast,
                              self.loss_context)
@@ -138,8 +145,9 @@ class Composed:
 
 
 @torch.no_grad()
-def evaluate(model, blocks: torch.Tensor, batch_size: int, batches: int, device,
-             autocast=nullcontext, loss_context=nullcontext) -> float:
+def evaluate(model: nn.Module, blocks: torch.Tensor, batch_size: int, batches: int,
+             device: torch.device, autocast: Callable[[], AbstractContextManager] = nullcontext,
+             loss_context: Callable[[], AbstractContextManager] = nullcontext) -> float:
     """Mean loss over the first `batches` batches of `blocks` (a fixed, comparable set)."""
     was_training = model.training
     model.eval()

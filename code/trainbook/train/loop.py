@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .. import configs
 from ..bench import peak as peak_of
 from ..compute.flops import training_flops_per_token, utilization
-from ..data import ShardedLoader, build_dataset, make_tokenizer
+from ..data import BPETokenizer, ByteTokenizer, ShardedLoader, build_dataset, make_tokenizer
 from ..launch import resolve_device
 from ..layout import Layout
 from ..model import Transformer
@@ -260,8 +260,9 @@ def train(cfg: TrainConfig) -> TrainResult:
                        val, ddp.world_size, lay)
 
 
-def generate_text(model: Transformer, tokenizer, prompt: str, max_new_tokens: int = 200,
-                  temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> str:
+def generate_text(model: Transformer, tokenizer: ByteTokenizer | BPETokenizer, prompt: str,
+                  max_new_tokens: int = 200, temperature: float = 0.8, top_k: int | None = 50,
+                  seed: int = 0) -> str:
     """Sample a continuation of `prompt` from a trained model, reproducibly (seeded)."""
     device = next(model.parameters()).device
     ids = tokenizer.encode(prompt) or [0]

@@ -21,12 +21,21 @@ Chapter: book/parallelism/putting-it-together; book/parallelism/pipeline-paralle
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..layout import Layout
 from ..model import Transformer, lm_loss
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+    )
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
              "interleaved-1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
@@ -138,7 +147,7 @@ def tp_plan(model: Transformer, sp: bool, shared_input: bool = True,
     return plan
 
 
-def build_mesh(layout: Layout, device_type: str):
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     """The named device mesh of the layout (every dimension, size-1 ones included)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -182,7 +191,8 @@ def apply_recompute(model: Transformer, mode: str) -> None:
             checkpoint(block, context_fn=_selective_policy())
 
 
-def parallelize(model: Transformer, layout: Layout, mesh, pp_rank: int = 0) -> list[Transformer]:
+def parallelize(model: Transformer, layout: Layout, mesh: DeviceMesh,
+                pp_rank: int = 0) -> list[Transformer]:
     """The model parts this rank trains (one, or two pipeline stages), with TP, recomputation
     and FSDP/HSDP applied in the order of the module docstring."""
     from torch.distributed.fsdp import fully_shard
@@ -211,8 +221,9 @@ def parallelize(model: Transformer, layout: Layout, mesh, pp_rank: int = 0) -> l
     return parts
 
 
-def pipeline_schedule(parts: list[Transformer], layout: Layout, mesh, device,
-                      n_microbatches: int, pp_rank: int):
+def pipeline_schedule(parts: list[Transformer], layout: Layout, mesh: DeviceMesh,
+                      device: torch.device, n_microbatches: int,
+                      pp_rank: int) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """The torch.distributed.pipelining schedule of this rank's stages (loss: `lm_loss`, mean
     over micro-batches through scale_grads)."""
     from torch.distributed import pipelining
@@ -228,7 +239,8 @@ def pipeline_schedule(parts: list[Transformer], layout: Layout, mesh, device,
     return cls(stages, n_microbatches, loss_fn=lm_loss)
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip the global gradient norm of DTensor (FSDP, TP) or plain gradients; with pipeline
     stages, the squared norms of every stage are summed first (each rank holds only its own)."""
     from torch.distributed.tensor import DTensor
