@@ -93,3 +93,12 @@ def test_fabric_busbw_is_measured_where_listed_and_assumed_elsewhere():
     assert hardware.match_device_name("NVIDIA GB200").name == "gb200-nvl72"
     with pytest.raises(ValueError, match="unknown collective"):
         h100.busbw_gbps("gossip")
+
+
+def test_reported_capacity_is_a_little_under_the_nominal_one():
+    for a in hardware.SPECS.values():
+        assert a.capacity_gib == (a.reported_gib or a.memory_gib)
+        if a.reported_gib is not None:
+            assert 0.93 * a.memory_gib < a.reported_gib <= a.memory_gib and a.reported_source
+    assert hardware.get("h100-sxm").capacity_gib == pytest.approx(79.65, abs=0.01)
+    assert hardware.get("h200").capacity_gib == pytest.approx(140.40, abs=0.01)

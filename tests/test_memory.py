@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainbook import configs
+from trainbook import configs, hardware
 from trainbook.__main__ import main
 from trainbook.bench import memory_measure as mm
 from trainbook.compute import memory as M
@@ -79,7 +79,7 @@ def test_estimate_matches_measurement_single_process(name, recompute):
     cfg = configs.get(name).with_(vocab_size=1024)
     measured = mm.measure_step(cfg, B, S, recompute=recompute)
     est = M.estimate(M.MemoryInputs(model=cfg, dtype="fp32", micro_batch=B, seq_len=S,
-                                    recompute=recompute))
+                                    recompute=recompute, activations="reference"))
     assert abs(est.peak / measured["peak"] - 1) < 0.10
     assert measured["optimizer"] == pytest.approx(est.optimizer, rel=0.01)
     if recompute == "none":  # the step is activation-dominated, so the test means something
@@ -88,7 +88,8 @@ def test_estimate_matches_measurement_single_process(name, recompute):
 
 def test_bf16_activations_match_measurement():
     measured = mm.measure_step(TINY, B, S, dtype="bf16")
-    est = M.estimate(M.MemoryInputs(model=TINY, dtype="bf16", micro_batch=B, seq_len=S))
+    est = M.estimate(M.MemoryInputs(model=TINY, dtype="bf16", micro_batch=B, seq_len=S,
+                                    activations="reference"))
     # the peak is at the loss's backward: no gradients yet, so activations + temporaries are
     # exactly the saved activations and the logit buffers
     assert measured["grads"] == 0
@@ -99,7 +100,7 @@ def test_bf16_activations_match_measurement():
 def test_estimate_matches_measurement_fsdp2_two_ranks():
     ranks = run(mm.measure_fsdp_rank, 2, args=(TINY, B, S), timeout_s=90)
     est = M.estimate(M.MemoryInputs(model=TINY, dtype="fp32", micro_batch=B, seq_len=S, dp=2,
-                                    zero=3))
+                                    zero=3, activations="reference"))
     for r in ranks:
         assert abs(est.peak / r.value["peak"] - 1) < 0.10
         assert r.value["optimizer"] == pytest.approx(est.optimizer, rel=0.01)  # sharded in half
@@ -126,7 +127,7 @@ def test_tp_pp_ep_cp_divide():
     pp = M.estimate(M.MemoryInputs(model=cfg, seq_len=4096, pp=4))
     assert pp.weights < base.weights / 2
     # 1F1B: the first stage holds pp micro-batches of L/pp layers, about L layers of activations
-    layer = M.reference_layer_bytes(cfg, 1, 4096, "bf16")
+    layer = M.production_layer_bytes(cfg, 1, 4096, "bf16")
     one = M.estimate(M.MemoryInputs(model=cfg, seq_len=4096, pp=4, microbatches=1))
     first = M.estimate(M.MemoryInputs(model=cfg, seq_len=4096, pp=4, microbatches=8))
     assert first.stage == "first" and first.activations == pytest.approx(32 * layer)
@@ -218,6 +219,8 @@ def test_cli_table_and_json(capsys):
     (["--params", "-5"], "--params must be a positive whole number"),
     (["--params", "1e9", "--gpu", "a9000"], "unknown accelerator"),
     (["--model", "no-such-model"], "unknown model"),
+    (["--params", "1e9", "--dtype", "fp32", "--grad-dtype", "bf16"],
+     "--grad-dtype bf16 with --dtype fp32"),
 ])
 def test_cli_bad_input(argv, msg, capsys):
     assert main(["memory", *argv]) == 2
@@ -228,3 +231,75 @@ def test_memory_command_rejects_an_infinite_parameter_count(capsys):
     from trainbook.__main__ import main
     assert main(["memory", "--params", "inf"]) == 2
     assert "--params must be a positive whole number" in capsys.readouterr().err
+
+
+# --- the production activation model, gradient precision, the fit verdict ----------------------
+
+def test_production_layer_counts_fused_kernels_by_hand():
+    cfg = configs.get("llama-3-8b")
+    d, q, kv, ff, heads = 4096, 32 * 128, 8 * 128, 14336, 32
+    per_token = (2 * (2 * d + 4) + 2 * 2 * d  # two norms (input, fp32 rstd), two matmul inputs
+                 + 2 * (2 * q + 2 * kv) + 4 * heads  # q, out; k, v (kv heads only); fp32 LSE
+                 + 2 * 3 * ff)  # gate, up, down's input
+    assert M.production_layer_bytes(cfg, 2, 1024) == 2 * 1024 * per_token
+    # sequence parallelism divides every term by t; context parallelism keeps only local k, v
+    assert M.production_layer_bytes(cfg, 1, 1024, tp=4, sp=True) == pytest.approx(
+        M.production_layer_bytes(cfg, 1, 1024) / 4)
+    assert M.production_layer_bytes(cfg, 1, 1024, cp=4) == M.production_layer_bytes(cfg, 1, 256)
+    # selective recompute of the attention core saves only the log-sum-exp under fused attention
+    none, sel = (M.production_layer_bytes(cfg, 1, 1024, recompute=r) for r in ("none", "selective"))
+    assert none - sel == 1024 * 4 * heads
+    assert M.production_layer_bytes(cfg, 1, 1024, recompute="full") == 1024 * d * 2
+    # grouped-query attention: 8 kv heads instead of 32 save 2 x 24 x 128 x 2 bytes per token
+    mha = cfg.with_(n_kv_heads=32)
+    assert (M.production_layer_bytes(mha, 1, 1) - M.production_layer_bytes(cfg, 1, 1)
+            == 2 * 24 * 128 * 2)
+
+
+def test_production_is_close_to_korthikanti_selective_for_llama_and_far_below_reference():
+    for name in ("llama-3-8b", "llama-3-70b", "llama-3-405b"):
+        cfg = configs.get(name)
+        prod = M.production_layer_bytes(cfg, 1, 8192)
+        kor = M.korthikanti_layer_bytes(8192, 1, cfg.d_model, cfg.n_heads, recompute="selective")
+        ref = M.reference_layer_bytes(cfg, 1, 8192, "bf16")
+        assert 0.9 < prod / kor < 1.01 and ref > 1.4 * prod
+
+
+def test_fp32_gradients_are_megatrons_18_bytes():
+    assert sum(M.state_bytes_per_param("bf16", "adamw", "fp32").values()) == 18
+    assert M.zero_model_states(1e9, 8, 1, grad_dtype="fp32") == 1e9 * (2 + 4 + 12 / 8)
+    cfg = configs.get("llama-3-8b")
+    bf, f32 = (M.estimate(M.MemoryInputs(model=cfg, seq_len=4096, dp=8, zero=3, grad_dtype=g))
+               for g in (None, "fp32"))
+    assert f32.grads == pytest.approx(2 * bf.grads) and f32.transient > bf.transient
+    with pytest.raises(ValueError, match="grad-dtype bf16 with --dtype fp32"):
+        M.MemoryInputs(model=cfg, dtype="fp32", grad_dtype="bf16")
+    with pytest.raises(ValueError, match="grad dtype 'fp8' is unknown"):
+        M.state_bytes_per_param("bf16", "adamw", "fp8")
+
+
+def test_fit_verdict_respects_the_estimates_margin():
+    cap = hardware.get("h100-sxm").capacity_gib * M.GiB
+    def verdict(peak):
+        b = M.MemoryBreakdown(0, 0, 0, 0, 0, 0, peak, peak, 0, "all")
+        return M.fits(b, "h100-sxm")
+    assert verdict(0.85 * cap)["verdict"] == "fits"
+    assert verdict(0.97 * cap)["verdict"] == "too close to call" and verdict(0.97 * cap)["fits"]
+    assert verdict(1.05 * cap)["verdict"] == "too close to call"
+    assert verdict(1.2 * cap)["verdict"] == "does not fit"
+    assert verdict(0.97 * cap)["capacity_gib"] == pytest.approx(81559 / 1024)
+    with pytest.raises(ValueError, match="margin"):
+        M.fits(M.MemoryBreakdown(0, 0, 0, 0, 0, 0, 1, 1, 0, "all"), margin=-0.1)
+
+
+def test_memory_command_gives_the_verdict_and_takes_grad_dtype(capsys):
+    argv = ["memory", "--model", "llama-3-8b", "--seq-len", "8192", "--dp", "8", "--zero", "1"]
+    assert main([*argv, "--json"]) == 0
+    bf = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--grad-dtype", "fp32", "--json"]) == 0
+    f32 = json.loads(capsys.readouterr().out)
+    assert f32["bytes"]["grads"] == 2 * bf["bytes"]["grads"]
+    assert f32["setup"]["activations"] == "production" and f32["setup"]["grad_dtype"] == "fp32"
+    assert bf["fit"]["verdict"] in ("fits", "too close to call", "does not fit")
+    assert main(argv) == 0
+    assert "GiB reported" in capsys.readouterr().out

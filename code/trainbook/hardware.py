@@ -5,9 +5,12 @@ Every peak in trainbook (MFU, time and cost estimates, rooflines, the planner) c
 (`trainbook.bench.peak.detect`). This module is data only: it measures nothing. Peaks are *dense*
 tensor-core numbers; vendor sheets often print 2:4-sparse numbers, twice as large.
 
-Units: TFLOPS = 10^12 FLOP/s, memory in GiB (HBM stacks are binary-sized: the "80 GB" of an
-H100 is 80 GiB; the table gives the nominal capacity, of which CUDA reports slightly less as
-usable), bandwidth in decimal GB/s. Interconnect is the per-GPU bidirectional total.
+Units: TFLOPS = 10^12 FLOP/s, memory in GiB, bandwidth in decimal GB/s. Interconnect is the
+per-GPU bidirectional total. `memory_gib` is the nominal capacity on the box; `reported_gib` is
+what the device reports (`nvidia-smi`'s total, `torch.cuda.get_device_properties().total_memory`,
+rocm-smi's VRAM total), which is what a job can plan with: an "80GB" H100 reports 81,559 MiB =
+79.6 GiB, an H200's "141 GB" is 143,771 MiB = 140.4 GiB. `capacity_gib` is the reported figure
+where the table has one, else the nominal one.
 
 The scale-up fabric: `domain` GPUs share one NVLink/NVSwitch (or Infinity Fabric) domain (8 in
 an HGX node, 72 in a GB200 NVL72 rack), linked by a switch (any pair at full rate), a direct
@@ -55,6 +58,13 @@ class Accelerator:
     allreduce_busbw_gbps: float | None = None  # achieved by all-reduce (NVLS where default)
     nic_gbps: float | None = None  # scale-out network per GPU, decimal GB/s
     fabric_source: str = ""
+    reported_gib: float | None = None  # total memory as the device reports it, GiB
+    reported_source: str = ""
+
+    @property
+    def capacity_gib(self) -> float:
+        """GiB a job can plan with: the reported total where known, else the nominal one."""
+        return self.reported_gib if self.reported_gib is not None else self.memory_gib
 
     def busbw_gbps(self, op: str = "all_reduce") -> float:
         """Achievable bus bandwidth (decimal GB/s) of collective `op` over the scale-up domain:
@@ -110,45 +120,59 @@ _NCCL_TESTS = ("nccl-tests all_reduce_perf / all_gather_perf busbw at >= 1 GB on
 _HGX = dict(domain=8, topology="switch")
 
 
+def _smi(mib: int) -> dict:
+    """The total nvidia-smi prints for the card (MiB), as reported_gib and its source."""
+    return dict(reported_gib=mib / 1024, reported_source=f"nvidia-smi total: {mib:,} MiB")
+
+
 SPECS: dict[str, Accelerator] = {
     a.name: a
     for a in [
         _gpu("v100-sxm2-32gb", "NVIDIA", 15.7, None, None, 125.0, None, 32, 900, "NVLink 2", 300,
              "NVIDIA Tesla V100 datasheet (SXM2); fp16 is the tensor-core peak",
              domain=8, topology="mesh", nic_gbps=6.25,
+             **_smi(32510),
              fabric_source="DGX-1: hybrid cube-mesh NVLink, 4 x 100 Gb/s InfiniBand per 8 GPUs"),
         _gpu("t4", "NVIDIA", 8.1, None, None, 65.0, None, 16, 320, "PCIe Gen3", 32,
              "NVIDIA T4 datasheet; fp16 is the tensor-core peak (no bf16: emulated only)",
+             **_smi(15360),
              fabric_source="PCIe card: no scale-up fabric"),
         _gpu("l4", "NVIDIA", 30.3, 60.0, 121.0, 121.0, 242.0, 24, 300, "PCIe Gen4", 64,
              "NVIDIA L4 datasheet, dense (the sheet prints sparse, 2x)",
+             **_smi(23034),
              fabric_source="PCIe card: no scale-up fabric"),
         _gpu("a100-40gb", "NVIDIA", 19.5, 156.0, 312.0, 312.0, None, 40, 1555, "NVLink 3", 600,
              "NVIDIA A100 datasheet (SXM4 40 GB), dense (sparse numbers are 2x)",
              **_HGX, ring_busbw_gbps=235.0, nic_gbps=25.0,
+             **_smi(40960),
              fabric_source=_NCCL_TESTS + "; DGX A100: one 200 Gb/s HDR NIC per GPU"),
         _gpu("a100-80gb", "NVIDIA", 19.5, 156.0, 312.0, 312.0, None, 80, 2039, "NVLink 3", 600,
              "NVIDIA A100 datasheet (SXM4 80 GB), dense (sparse numbers are 2x)",
              **_HGX, ring_busbw_gbps=235.0, nic_gbps=25.0,
+             **_smi(81920),
              fabric_source=_NCCL_TESTS + "; DGX A100: one 200 Gb/s HDR NIC per GPU"),
         _gpu("h100-sxm", "NVIDIA", 66.9, 494.7, 989.4, 989.4, 1978.9, 80, 3350, "NVLink 4", 900,
              "NVIDIA H100 Tensor Core GPU Architecture whitepaper, Table 3 (H100 SXM5), dense",
              **_HGX, ring_busbw_gbps=370.0, allreduce_busbw_gbps=480.0, nic_gbps=50.0,
+             **_smi(81559),
              fabric_source=_NCCL_TESTS + "; all-reduce runs NVLink SHARP (NVLS) by default, "
              "ring-type collectives about 370 GB/s; DGX H100: one 400 Gb/s NIC per GPU"),
         _gpu("h100-pcie", "NVIDIA", 51.2, 378.0, 756.0, 756.0, 1513.0, 80, 2000, "PCIe Gen5", 128,
              "NVIDIA H100 Tensor Core GPU Architecture whitepaper, Table 3 (H100 PCIe), dense",
              notes="an NVLink bridge joins pairs at 600 GB/s", domain=2,
+             **_smi(81559),
              fabric_source="PCIe card; NVLink bridge pairs"),
         _gpu("h200", "NVIDIA", 66.9, 494.7, 989.4, 989.4, 1978.9, 141, 4800, "NVLink 4", 900,
              "NVIDIA H200 datasheet (SXM), dense (sparse numbers are 2x)",
              notes="same GH100 compute as the H100 SXM; 141 GB HBM3e",
              **_HGX, ring_busbw_gbps=370.0, allreduce_busbw_gbps=475.0, nic_gbps=50.0,
+             **_smi(143771),
              fabric_source=_NCCL_TESTS + "; all-reduce about 475 GB/s (NVLS); ring-type "
              "collectives assumed as on the H100 (same NVLink 4 and NVSwitch)"),
         _gpu("b200", "NVIDIA", 75.0, 1100.0, 2250.0, 2250.0, 4500.0, 180, 7700, "NVLink 5", 1800,
              "NVIDIA HGX B200 datasheet, per-GPU column, dense (the sheet prints sparse, 2x)",
              **_HGX, nic_gbps=50.0,
+             **_smi(183359),
              fabric_source="HGX B200: NVLink 5 switch; one 400 Gb/s NIC per GPU; no nccl-tests "
              "figure listed"),
         _gpu("gb200-nvl72", "NVIDIA", 80.0, 1250.0, 2500.0, 2500.0, 5000.0, 186, 8000,
@@ -164,6 +188,8 @@ SPECS: dict[str, Accelerator] = {
              "AMD Instinct MI300X datasheet, dense matrix peaks (sparse numbers are 2x)",
              notes="fp32 is the matrix-core peak; 7 links x 128 GB/s",
              domain=8, topology="mesh", nic_gbps=50.0,
+             reported_gib=205_822_885_888 / 2**30,
+             reported_source="rocm-smi VRAM Total Memory: 205,822,885,888 B",
              fabric_source="AMD Instinct MI300X platform: 8 GPUs fully connected by Infinity "
              "Fabric (7 links, 64 GB/s per direction each); a 400 Gb/s NIC per GPU"),
     ]
@@ -222,11 +248,12 @@ def table() -> list[dict]:
     for a in SPECS.values():
         row = {"name": a.name, "vendor": a.vendor}
         row.update({f"{d} TFLOPS": a.tflops[d] for d in DTYPES})
-        row.update({"memory GiB": a.memory_gib, "HBM GB/s": a.hbm_gbps,
+        row.update({"memory GiB": a.memory_gib, "reported GiB": a.reported_gib,
+                    "HBM GB/s": a.hbm_gbps,
                     "interconnect": a.interconnect, "link GB/s": a.interconnect_gbps,
                     "domain GPUs": a.domain, "topology": a.topology,
                     "ring busbw GB/s": a.ring_busbw_gbps,
                     "all-reduce busbw GB/s": a.allreduce_busbw_gbps, "NIC GB/s": a.nic_gbps,
-                    "source": a.source})
+                    "source": a.source, "reported memory source": a.reported_source})
         rows.append(row)
     return rows

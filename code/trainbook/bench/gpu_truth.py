@@ -199,7 +199,7 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str,
     """The estimator's breakdown for one single-device training setup."""
     return M.estimate(M.MemoryInputs(model=cfg, dtype=dtype, micro_batch=micro_batch,
                                      seq_len=seq_len, recompute=recompute,
-                                     microbatches=microbatches))
+                                     microbatches=microbatches, activations="reference"))
 
 
 def fit_micro_batch(cfg: ModelConfig, seq_len: int, dtype: str, capacity: float,

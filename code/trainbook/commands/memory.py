@@ -48,9 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default bf16)")
     p.add_argument("--optimizer", default="adamw", choices=memory.OPTIMIZERS,
                    help="adamw, sgd (with momentum), adam8bit, adafactor (default adamw)")
-    p.add_argument("--activations", default="reference", choices=memory.ACTIVATION_MODELS,
-                   help="activation model: the reference model's, or Korthikanti et al. 2022 "
-                        "Table 2")
+    p.add_argument("--activations", default="production", choices=memory.ACTIVATION_MODELS,
+                   help="activation model: production (fused kernels, for published models; "
+                        "default), reference (the book's model, as measured), korthikanti "
+                        "(Korthikanti et al. 2022, Table 2)")
+    p.add_argument("--grad-dtype", default=None, choices=memory.GRAD_DTYPES,
+                   help="gradient precision (default: --dtype); fp32 for Megatron's main "
+                        "gradients or FSDP2 with an fp32 reduce dtype")
     p.add_argument("--gpu", default="h100-sxm",
                    help=f"GPU to check the fit on ({', '.join(hardware.SPECS)})")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -68,7 +72,7 @@ def inputs_from_args(args: argparse.Namespace) -> memory.MemoryInputs:
         model=model, params=params, dtype=args.dtype, optimizer=args.optimizer, dp=args.dp,
         zero=args.zero, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
         micro_batch=args.micro_batch, seq_len=args.seq_len, microbatches=args.microbatches,
-        recompute=args.recompute, activations=args.activations)
+        recompute=args.recompute, activations=args.activations, grad_dtype=args.grad_dtype)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         setup = {k: getattr(x, k) for k in ("dtype", "optimizer", "dp", "zero", "tp", "pp", "cp",
                                              "ep", "micro_batch", "microbatches", "recompute",
-                                             "activations")}
+                                             "activations", "grad_dtype")}
         setup["seq_len"] = x.tokens_seq or None
         print(json.dumps({"model": what, "setup": setup, "bytes": b.as_dict(), "fit": fit},
                          indent=2))
@@ -92,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     print(table(b.rows()))
     for note in b.notes:
         print(f"note: {note}")
-    verdict = "fits" if fit["fits"] else "does NOT fit"
-    print(f"{verdict} on {fit['gpu']} ({fit['capacity_gib']:g} GiB): "
-          f"peak {fit['peak_gib']:.2f} GiB, free {fit['free_gib']:.2f} GiB")
+    cap = "nominal" if fit["capacity_is_nominal"] else "reported"
+    print(f"{fit['verdict']} on {fit['gpu']} ({fit['capacity_gib']:.1f} GiB {cap}): peak "
+          f"{fit['peak_gib']:.2f} GiB, free {fit['free_gib']:.2f} GiB (estimate within "
+          f"{fit['margin']:.0%})")
     return 0

@@ -27,6 +27,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch-tokens", type=int, required=True,
                    help="tokens per optimizer step, a multiple of --seq-len (e.g. 16777216)")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                   help="bf16/fp16 mixed precision with fp32 master weights, or fp32 "
+                        "(default bf16)")
+    p.add_argument("--grad-dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                   help="gradient precision (default: --dtype); fp32 for Megatron's main "
+                        "gradients or FSDP2 with an fp32 reduce dtype")
+    p.add_argument("--activations", default="production", choices=planner.ACTIVATIONS,
+                   help="activation model: production (fused kernels; default) or reference "
+                        "(the book's own model)")
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     p.add_argument("--all-variants", action="store_true",
                    help="list every variant, not only the fastest of each (dp, tp, pp, cp, ep)")
@@ -54,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = planner.Cluster(gpu=args.gpu, gpus=args.gpus, domain_gpus=args.domain_gpus,
                               nic_gbps=args.nic_gbps, mfu_matmul=args.mfu_matmul,
                               headroom=args.headroom)
-    job = planner.Job(configs.resolve(args.model), args.global_batch_tokens, args.seq_len)
+    job = planner.Job(configs.resolve(args.model), args.global_batch_tokens, args.seq_len,
+                      dtype=args.dtype, grad_dtype=args.grad_dtype, activations=args.activations)
     if args.explain:
         text = planner.explain(args.explain, job, cluster)
         print(json.dumps({"explain": text}, indent=2) if args.json else text)

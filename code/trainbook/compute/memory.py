@@ -10,12 +10,11 @@ Model states follow Rajbhandari et al. 2020 (ZeRO), Section 3: with mixed precis
 weights, momentum, variance) per parameter; ZeRO stage 1 shards the optimizer state over the
 data-parallel ranks, stage 2 also the gradients, stage 3 also the weights.
 
-Activations come in two flavours. `korthikanti_layer_bytes` is Korthikanti et al. 2022, Table 2,
-as printed: a GPT layer with 16-bit activations, 1-byte dropout masks, a 4h GELU MLP and the
-attention score matrices stored (no flash attention). `reference_layer_bytes` counts the tensors
-the book's reference model (`trainbook.model`) actually saves for backward: no dropout, fused
-attention (`scaled_dot_product_attention`, no s x s scores), SwiGLU or GELU MLP, RoPE and
-grouped-query attention. It is checked against `MemTracker` measurements (`memory_measure`).
+Activations per block come from one of three models in `compute.activations`: "production" (a
+fused-kernel Llama stack, for published models; the default), "reference" (what the book's own
+model saves, checked against measurements here) and "korthikanti" (Korthikanti et al. 2022,
+Table 2, as printed). Gradients are kept in the compute dtype unless `grad_dtype="fp32"`
+(Megatron's fp32 main gradients, FSDP2 with an fp32 reduce dtype).
 
 Chapter: book/compute/memory.
 """
@@ -27,21 +26,40 @@ from dataclasses import asdict, dataclass, field
 from .. import hardware
 from ..configs import ModelConfig, param_counts
 from ..layout import Layout, check_layout
+from .activations import (  # noqa: F401  (re-exported: the chapter reads them from here)
+    ACTIVATION_MODELS,
+    PRECISIONS,
+    RECOMPUTE,
+    check_choice,
+    head_bytes,
+    korthikanti_layer_bytes,
+    layer_bytes,
+    logits_bytes,
+    production_layer_bytes,
+    reference_layer_bytes,
+)
 from .roofline import bytes_per_element
 
 GiB = 2**30
-PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "sgd", "adam8bit", "adafactor")
-RECOMPUTE = ("none", "selective", "full")
-ACTIVATION_MODELS = ("reference", "korthikanti")
+GRAD_DTYPES = ("fp32", "bf16", "fp16")
+# The error the estimator promises: the memory chapter's estimate-against-MemTracker checks stay
+# within it. A peak closer than this to the capacity is too close to call.
+ESTIMATE_MARGIN = 0.10
 
 
 # ---------------------------------------------------------------------------------------------
 # Model states: bytes per parameter
 # ---------------------------------------------------------------------------------------------
 
-def state_bytes_per_param(dtype: str = "bf16", optimizer: str = "adamw") -> dict[str, float]:
+def state_bytes_per_param(dtype: str = "bf16", optimizer: str = "adamw",
+                          grad_dtype: str | None = None) -> dict[str, float]:
     """Bytes per parameter of weights, gradients and optimizer state.
+
+    grad_dtype: the gradients' precision, by default the compute dtype (ZeRO's accounting: 16-bit
+    gradients, 2 bytes). "fp32" is Megatron's main-gradient buffer (with its distributed
+    optimizer, 2 + 4 + 12 = 18 bytes per parameter before sharding) and FSDP2 with
+    `reduce_dtype=torch.float32`.
 
     dtype "fp32": everything in fp32, no master copy. dtype "bf16"/"fp16": mixed precision,
     16-bit weights and gradients for compute plus an fp32 master copy kept by the optimizer (ZeRO's
@@ -54,99 +72,22 @@ def state_bytes_per_param(dtype: str = "bf16", optimizer: str = "adamw") -> dict
     which is ~0 bytes per parameter; `estimate` adds the exact factored size when it knows the
     shapes.
     """
-    dtype = _check_choice(dtype, PRECISIONS, "dtype")
-    optimizer = _check_choice(optimizer, OPTIMIZERS, "optimizer")
+    dtype = check_choice(dtype, PRECISIONS, "dtype")
+    optimizer = check_choice(optimizer, OPTIMIZERS, "optimizer")
+    grads = float(bytes_per_element(check_grad_dtype(dtype, grad_dtype)))
     opt = {"adamw": 8.0, "sgd": 4.0, "adam8bit": 2.0 + 8.0 / 2048, "adafactor": 0.0}[optimizer]
     if dtype == "fp32":
-        return {"weights": 4.0, "grads": 4.0, "optimizer": opt}
-    return {"weights": 2.0, "grads": 2.0, "optimizer": 4.0 + opt}  # + fp32 master weights
+        return {"weights": 4.0, "grads": grads, "optimizer": opt}
+    return {"weights": 2.0, "grads": grads, "optimizer": 4.0 + opt}  # + fp32 master weights
 
 
 def zero_model_states(params: float, dp: int, zero: int, dtype: str = "bf16",
-                      optimizer: str = "adamw") -> float:
+                      optimizer: str = "adamw", grad_dtype: str | None = None) -> float:
     """Bytes of model states per rank under ZeRO stage 0..3 over `dp` ranks (ZeRO Figure 1)."""
     _check_zero(dp, zero)
-    b = state_bytes_per_param(dtype, optimizer)
+    b = state_bytes_per_param(dtype, optimizer, grad_dtype)
     shard = lambda stage: params / dp if zero >= stage else params  # noqa: E731
     return b["weights"] * shard(3) + b["grads"] * shard(2) + b["optimizer"] * shard(1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Activations per layer
-# ---------------------------------------------------------------------------------------------
-
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                            recompute: str = "none") -> float:
-    """Activation bytes of one transformer layer, Korthikanti et al. 2022, Table 2.
-
-    s sequence length, b micro-batch, h hidden size, a heads, t tensor-parallel size, sp sequence
-    parallelism. 16-bit activations, 1-byte dropout masks, 4h GELU MLP, attention scores stored;
-    "selective" recomputes the attention core (drops the 5as/h term), "full" keeps only the
-    layer's input (2sbh).
-    """
-    recompute = _check_choice(recompute, RECOMPUTE, "recompute")
-    sbh, scores = s * b * h, 5 * a * s / h
-    if recompute == "full":
-        return 2.0 * sbh
-    if recompute == "selective":
-        scores = 0.0
-    if sp:
-        return sbh * (34 / t + scores / t)
-    return sbh * (10 + 24 / t + scores / t)
-
-
-def reference_layer_bytes(cfg: ModelConfig, b: int, s: int, dtype: str = "fp32", tp: int = 1,
-                          sp: bool = False, cp: int = 1, recompute: str = "none") -> float:
-    """Activation bytes one block of the reference model saves for backward.
-
-    Counted from `trainbook.model` (llama flavour; per token): each RMSNorm keeps its input, the
-    normalized x and the weighted output (3d; in 16 bits the fp32 copy replaces the input);
-    attention keeps the rotated q, the attention output and its reshaped copy (3 x heads x
-    head_dim), the rotated k and v (2 x kv heads x head_dim: SDPA takes grouped-query attention as
-    it is, no repeated copies) and an fp32 log-sum-exp per head; SwiGLU keeps gate, silu(gate), up
-    and their product (4 d_ff). The gpt2 flavour keeps input and output of each LayerNorm, q/k/v,
-    the attention output and its copy, and the GELU input and output. Tensor parallelism divides the
-    head and d_ff dimensions; with sequence parallelism also the norms' tensors. Context parallelism
-    divides the sequence, except the all-gathered k and v. "full" recompute keeps the block input;
-    "selective" recomputes the attention core (RoPE, attention) and keeps the linear layers' inputs:
-    a model that is not checked by measurement here. Mixture-of-experts MLPs are approximated (top_k
-    copies).
-    """
-    recompute = _check_choice(recompute, RECOMPUTE, "recompute")
-    e = bytes_per_element(_check_choice(dtype, PRECISIONS, "dtype"))
-    tok = b * s / cp  # tokens on this rank; k and v are gathered: cp times as many
-    d, ff, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
-    h, kv = cfg.n_heads / tp, cfg.n_kv_heads / tp
-    norm_div = tp if sp else 1
-    if recompute == "full":
-        return tok * d * e / norm_div
-    if cfg.flavour == "gpt2":
-        norms = 2 * 2 * d * e / norm_div  # input and output of each LayerNorm
-        attn = (3 * h * hd + 2 * h * hd * cp) * e  # q, output, its copy; k, v
-        if recompute == "selective":
-            attn = 4 * h * hd * e  # q, k, v and the output projection's input
-        return tok * (norms + attn + 2 * ff / tp * e)  # GELU input and output
-    norms = 2 * (3 * d * e if e == 4 else (4 + 2 + 2) * d) / norm_div
-    attn = (3 * h * hd + 2 * kv * hd * cp) * e + h * 4  # + fp32 log-sum-exp
-    if recompute == "selective":
-        attn = (2 * h + 2 * kv) * hd * e  # q, k, v and the output projection's input
-    if cfg.is_moe:  # approximate: each token's top_k expert inputs, SwiGLU tensors and outputs
-        mlp = cfg.top_k * (2 * d + 4 * ff / tp) * e + cfg.n_experts * 4
-    else:
-        mlp = 4 * ff / tp * e  # gate, silu(gate), up, their product
-    return tok * (norms + attn + mlp)
-
-
-def logits_bytes(b: int, s: int, vocab: int, dtype: str = "fp32", tp: int = 1,
-                 cp: int = 1) -> float:
-    """Peak bytes of the logits and the cross-entropy buffers, as the reference model computes them.
-
-    The logits (the caller keeps them until the step ends), the fp32 log-softmax saved for
-    backward, and in backward the gradients of both (fp32): 4 x 4 bytes per logit in fp32,
-    2 + 4 + 4 + 4 in 16 bits. Vocabulary-parallel TP divides the vocabulary; CP the sequence.
-    """
-    per = 16 if _check_choice(dtype, PRECISIONS, "dtype") == "fp32" else 14
-    return b * s / cp * vocab / tp * per
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,6 +103,9 @@ class MemoryInputs:
     (gradient accumulation or pipeline micro-batches; default 1, or pp when pipelining); with
     more than one, gradients stay live during the forward pass. interleave is the number of
     virtual pipeline stages per rank. sp (sequence parallelism) defaults to on when tp > 1.
+    activations: "production" for a published model trained with fused kernels, "reference"
+    for the book's own model (what the chapters measure), "korthikanti" for the paper's table.
+    grad_dtype: None (the compute dtype) or "fp32" (fp32 main gradients).
     """
 
     model: ModelConfig | None = None
@@ -180,7 +124,8 @@ class MemoryInputs:
     interleave: int = 1
     recompute: str = "none"
     sp: bool | None = None
-    activations: str = "reference"
+    activations: str = "production"
+    grad_dtype: str | None = None
 
     def __post_init__(self):
         if (self.model is None) == (self.params is None):
@@ -198,10 +143,11 @@ class MemoryInputs:
                                  f"got {v!r}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ValueError(f"--seq-len must be a positive integer, got {self.seq_len!r}")
-        _check_choice(self.dtype, PRECISIONS, "dtype")
-        _check_choice(self.optimizer, OPTIMIZERS, "optimizer")
-        _check_choice(self.recompute, RECOMPUTE, "recompute")
-        _check_choice(self.activations, ACTIVATION_MODELS, "activations")
+        check_choice(self.dtype, PRECISIONS, "dtype")
+        check_choice(self.optimizer, OPTIMIZERS, "optimizer")
+        check_choice(self.recompute, RECOMPUTE, "recompute")
+        check_choice(self.activations, ACTIVATION_MODELS, "activations")
+        check_grad_dtype(self.dtype, self.grad_dtype)
         _check_zero(self.dp, self.zero)
         cfg = self.model
         if cfg is None:
@@ -304,7 +250,7 @@ def _adafactor_factored(cfg: ModelConfig) -> tuple[float, float]:
 
 def estimate(x: MemoryInputs) -> MemoryBreakdown:
     """Memory per rank for one training setup (see the module docstring for the models)."""
-    b = state_bytes_per_param(x.dtype, x.optimizer)
+    b = state_bytes_per_param(x.dtype, x.optimizer, x.grad_dtype)
     notes: list[str] = []
     if x.model is None:  # bare count: model states only, spread evenly over tp x pp
         n = x.params / (x.tp * x.pp)
@@ -319,21 +265,14 @@ def estimate(x: MemoryInputs) -> MemoryBreakdown:
     L_stage = cfg.n_layers // x.pp
     layer_dense = p["layer_tp"] / x.tp + p["layer_replicated"]
     layer_expert = p["layer_expert"] / (x.tp * x.ep)
-    s, mb = x.tokens_seq, x.micro_batch
-    if x.activations == "reference":
-        layer = lambda rc: reference_layer_bytes(cfg, mb, s, x.dtype, x.tp,  # noqa: E731
-                                                 x.sequence_parallel, x.cp, rc)
-        per_layer, full_layer = layer(x.recompute), layer("none")
-        logit = logits_bytes(mb, s, cfg.vocab_size, x.dtype, x.tp, x.cp)
-        final_norm_acts = mb * s / x.cp * cfg.d_model * bytes_per_element(x.dtype) * \
-            (3 if cfg.flavour == "llama" else 2) / (x.tp if x.sequence_parallel else 1)
-    else:
-        a, h = cfg.n_heads, cfg.d_model
-        layer = lambda rc: korthikanti_layer_bytes(s // x.cp, mb, h, a, x.tp,  # noqa: E731
-                                                   x.sequence_parallel, rc)
-        per_layer, full_layer = layer(x.recompute), layer("none")
+    s, mb, sp = x.tokens_seq, x.micro_batch, x.sequence_parallel
+    per_layer = layer_bytes(cfg, mb, s, x.dtype, x.activations, x.tp, sp, x.cp, x.recompute)
+    full_layer = layer_bytes(cfg, mb, s, x.dtype, x.activations, x.tp, sp, x.cp, "none")
+    final_norm_acts = head_bytes(cfg, mb, s, x.dtype, x.activations, x.tp, sp, x.cp)
+    if x.activations == "korthikanti":
         logit = 4 * s / x.cp * mb * cfg.vocab_size / x.tp  # Section 4.3: output layer, 4sbv/t
-        final_norm_acts = 4 * s / x.cp * mb * h / x.tp
+    else:  # fp32 cross-entropy on the logits, as the reference model and torchtitan compute it
+        logit = logits_bytes(mb, s, cfg.vocab_size, x.dtype, x.tp, x.cp)
     if x.recompute == "full":
         notes.append("full recompute: one layer's activations are rebuilt at a time in backward")
 
@@ -400,22 +339,38 @@ def _sharded_states(b: dict, n_dense: float, n_expert: float, x: MemoryInputs):
     return b["weights"] * shard(3), b["grads"] * shard(2), b["optimizer"] * shard(1)
 
 
-def fits(breakdown: MemoryBreakdown, gpu: str = "h100-sxm") -> dict:
-    """Whether the peak fits in one accelerator's memory (from `trainbook.hardware`).
+def fits(breakdown: MemoryBreakdown, gpu: str = "h100-sxm",
+         margin: float = ESTIMATE_MARGIN) -> dict:
+    """Whether the peak fits one accelerator, as a verdict that respects the estimate's error.
 
-    The table's capacity is nominal; CUDA reserves a few hundred MiB for its context and the
-    allocator fragments, so treat a margin under ~5% as "does not fit".
+    Capacity is what the device reports (`hardware.Accelerator.capacity_gib`: an H100 80GB
+    reports 79.6 GiB), not the name on the box. "fits" when the peak plus `margin` fits, "does
+    not fit" when the peak minus `margin` does not, else "too close to call": measure it. The
+    CUDA context, NCCL buffers and allocator fragmentation come on top (several hundred MiB to a
+    few GiB); the planner's headroom covers them.
     """
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin is a fraction of the peak in [0, 1), got {margin!r}")
     spec = hardware.get(gpu)
-    cap = spec.memory_gib * GiB
-    return {"gpu": spec.name, "capacity_gib": spec.memory_gib, "peak_gib": breakdown.peak / GiB,
-            "free_gib": (cap - breakdown.peak) / GiB, "fits": breakdown.peak <= cap}
+    cap = spec.capacity_gib * GiB
+    peak = breakdown.peak
+    verdict = ("fits" if peak * (1 + margin) <= cap else
+               "does not fit" if peak * (1 - margin) > cap else "too close to call")
+    return {"gpu": spec.name, "capacity_gib": spec.capacity_gib,
+            "capacity_is_nominal": spec.reported_gib is None, "peak_gib": peak / GiB,
+            "free_gib": (cap - peak) / GiB, "fits": peak <= cap, "verdict": verdict,
+            "margin": margin}
 
 
-def _check_choice(value: str, choices: tuple, what: str) -> str:
-    if value not in choices:
-        raise ValueError(f"{what} {value!r} is unknown; use one of {', '.join(choices)}")
-    return value
+def check_grad_dtype(dtype: str, grad_dtype: str | None) -> str:
+    """The gradients' dtype: the compute dtype, or fp32 (never lower than the weights')."""
+    if grad_dtype is None:
+        return dtype
+    grad_dtype = check_choice(grad_dtype, GRAD_DTYPES, "grad dtype")
+    if grad_dtype not in (dtype, "fp32"):
+        raise ValueError(f"--grad-dtype {grad_dtype} with --dtype {dtype}: gradients are kept in "
+                         f"the compute dtype or in fp32; use --grad-dtype {dtype} or fp32")
+    return grad_dtype
 
 
 def _check_zero(dp: int, zero: int) -> None:

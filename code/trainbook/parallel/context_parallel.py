@@ -142,7 +142,7 @@ def estimate_memory(setup: harness.Setup, cp: int) -> memory.MemoryBreakdown:
     the whole global batch on every rank)."""
     return memory.estimate(memory.MemoryInputs(
         model=setup.model_config(), dtype="fp32", optimizer="adamw", cp=cp,
-        micro_batch=setup.global_batch, seq_len=setup.seq_len))
+        micro_batch=setup.global_batch, seq_len=setup.seq_len, activations="reference"))
 
 
 def _check_for(kind: str, options: dict, _setup: harness.Setup) -> dict:

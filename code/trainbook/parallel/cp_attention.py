@@ -154,11 +154,12 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _all_gather_seq(x, group):
     """Autograd-aware all-gather along the sequence (dim 2). `all_gather_single_autograd` is
-    torch 2.13's name for `all_gather_tensor_autograd`; its backward is a reduce-scatter. The
-    input is made contiguous: gloo silently corrupts strided tensors."""
-    from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
+    torch 2.13's name for `all_gather_tensor_autograd` (the only name up to 2.12); its backward
+    is a reduce-scatter. The input is made contiguous: gloo silently corrupts strided tensors."""
+    from torch.distributed import _functional_collectives as fc
 
-    return wait_tensor(all_gather_single_autograd(x.contiguous(), gather_dim=2, group=group))
+    gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+    return fc.wait_tensor(gather(x.contiguous(), gather_dim=2, group=group))
 
 
 class RingShift(torch.autograd.Function):

@@ -276,7 +276,8 @@ def estimate_memory(setup: harness.Setup, run: ExpertParallelRun, ep: int) -> Me
 
     return memory.estimate(memory.MemoryInputs(
         model=run.model_config(setup), dtype="fp32", optimizer="adamw", dp=ep, ep=ep,
-        micro_batch=setup.global_batch // ep, seq_len=setup.seq_len))
+        micro_batch=setup.global_batch // ep, seq_len=setup.seq_len,
+        activations="reference"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 from .. import configs
 from ..compute import flops
 from ..layout import RECOMPUTE, Layout, layout_rules
-from .step_cost import Cluster, Job, memory_per_rank, peak_flops, step_time
+from .step_cost import ACTIVATIONS, Cluster, Job, memory_per_rank, peak_flops, step_time  # noqa: F401
 
 GiB = 2**30
 
@@ -37,13 +37,14 @@ class Plan:
     hfu: float | None = None  # hardware FLOPs (recomputation included) over peak
     microbatches: int | None = None
     breakdown: dict = field(default_factory=dict)  # seconds by term
+    memory_margin: float | None = None  # how much the peak may grow and still fit: usable/peak - 1
 
     def row(self) -> dict:
         """A flat row for a table or JSON."""
         r = asdict(self.layout)
         r.update({"memory GiB": self.memory_gib, "step s": self.step_s,
                   "tokens/s/GPU": self.tokens_per_s_per_gpu, "MFU": self.mfu, "HFU": self.hfu,
-                  "micro-batches": self.microbatches})
+                  "micro-batches": self.microbatches, "memory margin": self.memory_margin})
         return r
 
 
@@ -80,14 +81,15 @@ def evaluate(layout: Layout, job: Job, cluster: Cluster) -> Plan:
     b = memory_per_rank(layout, job)
     peak = b["peak"] / GiB
     plan = Plan(layout, True, [], memory_gib=peak,
-                microbatches=job.sequences // (layout.dp * layout.micro_batch))
+                microbatches=job.sequences // (layout.dp * layout.micro_batch),
+                memory_margin=cluster.usable_gib / peak - 1)
     if peak > cluster.usable_gib:
         terms = {k: v / GiB for k, v in b.items() if k not in ("peak", "params_per_rank")}
         big = max(terms, key=terms.get)
         plan.feasible = False
         plan.reasons.append(
             f"peak memory {peak:.1f} GiB exceeds {cluster.usable_gib:.1f} GiB usable on "
-            f"{cluster.spec.name} ({cluster.spec.memory_gib:g} GiB less {cluster.headroom:.0%} "
+            f"{cluster.spec.name} ({cluster.spec.capacity_gib:.1f} GiB less {cluster.headroom:.0%} "
             f"headroom); largest term: {big} {terms[big]:.1f} GiB ("
             + ", ".join(f"{k} {v:.1f}" for k, v in terms.items()) + ")")
     t = step_time(layout, job, cluster)
@@ -141,8 +143,8 @@ def enumerate_layouts(job: Job, cluster: Cluster, zero: Sequence[int] = (0, 1, 2
                     for z in zero:
                         for mb in micro_batches:
                             for rc in recompute:
-                                if job.activations == "flash" and rc == "selective":
-                                    continue  # stores what "none" stores, at more FLOPs
+                                if job.activations == "production" and rc == "selective":
+                                    continue  # saves only the log-sum-exp, at more FLOPs
                                 for v in interleave:
                                     lay = Layout(dp, tp, pp, cp, ep, z, mb, rc, v)
                                     if not check_rules(lay, job, cluster):
@@ -150,10 +152,16 @@ def enumerate_layouts(job: Job, cluster: Cluster, zero: Sequence[int] = (0, 1, 2
     return out
 
 
-def rank(job: Job, cluster: Cluster, **options: Any) -> list[Plan]:
-    """Feasible layouts, fastest estimated step first (ties: less memory first)."""
+def rank(job: Job, cluster: Cluster, margin: float = 0.0, **options: Any) -> list[Plan]:
+    """Feasible layouts, fastest estimated step first (ties: less memory first).
+
+    margin: keep only layouts whose peak may grow by this fraction and still fit, e.g.
+    `compute.memory.ESTIMATE_MARGIN`: the estimator's error, so that no plan rests on a
+    memory figure the estimate cannot vouch for."""
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin is a fraction of the peak in [0, 1), got {margin!r}")
     plans = [evaluate(lay, job, cluster) for lay in enumerate_layouts(job, cluster, **options)]
-    ok = [p for p in plans if p.feasible]
+    ok = [p for p in plans if p.feasible and p.memory_margin >= margin]
     return sorted(ok, key=lambda p: (p.step_s, p.memory_gib))
 
 

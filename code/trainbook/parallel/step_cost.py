@@ -56,7 +56,7 @@ from ..compute.roofline import BYTES_PER_ELEMENT
 from ..layout import Layout, stage_layers
 from .collectives import collective_time
 
-ACTIVATIONS = ("flash", "reference")
+ACTIVATIONS = ("production", "reference")
 
 
 def _positive_int(name: str, value) -> int:
@@ -105,7 +105,7 @@ class Cluster:
 
     @property
     def usable_gib(self) -> float:
-        return self.spec.memory_gib * (1 - self.headroom)
+        return self.spec.capacity_gib * (1 - self.headroom)
 
 
 @dataclass(frozen=True)
@@ -117,12 +117,14 @@ class Job:
     seq_len: int
     dtype: str = "bf16"
     optimizer: str = "adamw"
-    activations: str = "flash"  # "flash" (production kernels) or "reference" (the book's model)
+    activations: str = "production"  # fused-kernel Llama stack, or "reference" (the book's model)
+    grad_dtype: str | None = None  # None: the compute dtype; "fp32": fp32 main gradients
 
     def __post_init__(self):
         if self.dtype not in memory.PRECISIONS:
             raise ValueError(f"dtype {self.dtype!r} is unknown; use one of "
                              f"{', '.join(memory.PRECISIONS)} (fp32, or bf16/fp16 mixed precision)")
+        memory.check_grad_dtype(self.dtype, self.grad_dtype)
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"activations {self.activations!r} is unknown; use one of "
                              f"{', '.join(ACTIVATIONS)}")
@@ -141,25 +143,21 @@ class Job:
 def memory_inputs(layout: Layout, job: Job) -> memory.MemoryInputs:
     """The estimator's inputs for a layout.
 
-    Activations: "reference" counts the tensors the book's reference model saves (fp32 norm
-    copies among them). "flash" is Korthikanti et al. 2022, Table 2
-    without the attention-score term: what a production model with fused (flash) attention
-    stores, which is their "selective" row; its backward recomputes the scores inside the
-    kernel at no cost FLOP counts see, so "none" and "selective" store the same there.
-    Uneven stages are costed as ceil(layers / pp) layers per stage (see `memory_per_rank`).
+    Activations: "production" (`compute.activations.production_layer_bytes`: fused norms, fused
+    attention with grouped-query attention, fused SwiGLU, no dropout) for published models;
+    "reference" counts the tensors the book's reference model saves (fp32 norm copies among
+    them). Uneven stages are costed as ceil(layers / pp) layers per stage (see
+    `memory_per_rank`).
     """
     cfg, L = job.model, layout
     per = stage_layers(cfg.n_layers, L.pp * L.interleave)
     if per is not None and per * L.pp * L.interleave != cfg.n_layers:
         cfg = cfg.with_(n_layers=per * L.pp * L.interleave)
-    recompute, acts = L.recompute, "reference"
-    if job.activations == "flash":
-        acts, recompute = "korthikanti", ("full" if L.recompute == "full" else "selective")
     return memory.MemoryInputs(
         model=cfg, dtype=job.dtype, optimizer=job.optimizer, dp=L.dp, zero=L.zero, tp=L.tp,
         pp=L.pp, cp=L.cp, ep=L.ep, micro_batch=L.micro_batch, seq_len=job.seq_len,
         microbatches=job.sequences // (L.dp * L.micro_batch), interleave=L.interleave,
-        recompute=recompute, activations=acts)
+        recompute=L.recompute, activations=job.activations, grad_dtype=job.grad_dtype)
 
 
 def memory_per_rank(layout: Layout, job: Job) -> dict[str, float]:

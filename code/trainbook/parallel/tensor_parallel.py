@@ -355,4 +355,5 @@ def estimate_memory(setup: harness.Setup, tp: int, sp: bool) -> MemoryBreakdown:
 
     return estimate(MemoryInputs(model=setup.model_config(), dtype="fp32",
                                  optimizer=setup.optimizer, tp=tp, sp=sp,
-                                 micro_batch=setup.global_batch, seq_len=setup.seq_len))
+                                 micro_batch=setup.global_batch, seq_len=setup.seq_len,
+                                 activations="reference"))

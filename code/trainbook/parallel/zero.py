@@ -406,4 +406,5 @@ def estimate_rank(setup: harness.Setup, kind: str, world: int = 2) -> MemoryBrea
         raise ValueError(f"global batch {setup.global_batch} is not divisible by {world} ranks")
     return estimate(MemoryInputs(model=setup.model_config(), dtype="fp32",
                                  optimizer=setup.optimizer, dp=world, zero=zero,
-                                 micro_batch=setup.global_batch // world, seq_len=setup.seq_len))
+                                 micro_batch=setup.global_batch // world, seq_len=setup.seq_len,
+                                 activations="reference"))
