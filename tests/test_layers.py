@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "code" / "trainbook"
 
 LAYERS = {  # top-level name under trainbook -> layer
     "__init__": 0, "configs": 0, "model": 0, "data": 0, "hardware": 0, "datasets": 0,
-    "corpus": 0, "report": 0, "launch": 0, "layout": 0,
+    "corpus": 0, "report": 0, "launch": 0, "layout": 0, "compat": 0,
     "compute": 1,
     "bench": 2,
     "train": 3,

@@ -52,6 +52,10 @@ def problems(path: Path) -> list[str]:
                      "(run: python tools/notebooks.py stamp)")
     if any(c.get("outputs") or c.get("execution_count") for c in code):
         found.append("cells carry outputs or execution counts (clear them before committing)")
+    ids = [c.get("id") for c in nb["cells"]]
+    if None in ids or len(set(ids)) != len(ids):
+        found.append("every cell needs its own id (nbformat 4.5; a missing one is an nbformat "
+                     "warning today and an error later)")
     return found
 
 

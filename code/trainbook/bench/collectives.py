@@ -26,6 +26,7 @@ from numbers import Integral
 import torch
 import torch.distributed as dist
 
+from .. import compat
 from ..launch import rank_device
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -104,9 +105,9 @@ def _run(op: str, inp, out):
     if op == "all_reduce":
         dist.all_reduce(inp)
     elif op == "all_gather":
-        dist.all_gather_single(out, inp)
+        compat.all_gather_single(out, inp)
     elif op == "reduce_scatter":
-        dist.reduce_scatter_single(out, inp)
+        compat.reduce_scatter_single(out, inp)
     elif op == "broadcast":
         dist.broadcast(inp, src=0)
     else:

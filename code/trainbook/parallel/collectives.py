@@ -17,6 +17,7 @@ from numbers import Integral
 import torch
 import torch.distributed as dist
 
+from .. import compat
 from ..bench.collectives import bus_factor
 
 
@@ -130,10 +131,10 @@ def what_each_collective_does() -> dict[str, tuple[list, list]]:
     shown["broadcast (from rank 0)"] = (x.tolist(), y.tolist())
     mine = x[:1].clone()
     gathered = torch.empty(n)
-    dist.all_gather_single(gathered, mine)
+    compat.all_gather_single(gathered, mine)
     shown["all_gather"] = (mine.tolist(), gathered.tolist())
     part = torch.empty(1)
-    dist.reduce_scatter_single(part, x.clone())
+    compat.reduce_scatter_single(part, x.clone())
     shown["reduce_scatter"] = (x.tolist(), part.tolist())
     y = torch.empty(n)
     dist.all_to_all_single(y, x.clone())

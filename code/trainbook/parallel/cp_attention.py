@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import compat
+
 SCHEMES = ("contiguous", "zigzag")
 
 
@@ -153,13 +155,9 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _all_gather_seq(x, group):
-    """Autograd-aware all-gather along the sequence (dim 2). `all_gather_single_autograd` is
-    torch 2.13's name for `all_gather_tensor_autograd` (the only name up to 2.12); its backward
-    is a reduce-scatter. The input is made contiguous: gloo silently corrupts strided tensors."""
-    from torch.distributed import _functional_collectives as fc
-
-    gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
-    return fc.wait_tensor(gather(x.contiguous(), gather_dim=2, group=group))
+    """Autograd-aware all-gather along the sequence (dim 2); its backward is a reduce-scatter.
+    The input is made contiguous: gloo silently corrupts strided tensors."""
+    return compat.all_gather_autograd(x.contiguous(), 2, group)
 
 
 class RingShift(torch.autograd.Function):

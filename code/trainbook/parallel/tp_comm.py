@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import compat
 from ..bench.collectives import bus_factor
 
 
@@ -53,7 +54,7 @@ class Comm:
         x = x.movedim(dim, 0).contiguous()
         out = x.new_empty((self.tp * x.shape[0], *x.shape[1:]))
         self.record("all_gather", phase, where, out)
-        dist.all_gather_single(out, x, group=self.group)
+        compat.all_gather_single(out, x, group=self.group)
         return out.movedim(0, dim).contiguous()  # one copy, shared by every layer that reads it
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, phase: str,
@@ -62,7 +63,7 @@ class Comm:
         x = x.movedim(dim, 0).contiguous()
         self.record("reduce_scatter", phase, where, x)
         out = x.new_empty((x.shape[0] // self.tp, *x.shape[1:]))
-        dist.reduce_scatter_single(out, x, group=self.group)
+        compat.reduce_scatter_single(out, x, group=self.group)
         return out.movedim(0, dim).contiguous()
 
     def table(self) -> list[dict]:

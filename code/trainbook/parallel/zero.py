@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import compat
 from ..bench.collectives import bus_factor
 from . import harness
 
@@ -93,7 +94,7 @@ class FlatUnit:
                 return
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         # the input must not alias the output
-        dist.all_gather_single(self.full, self.shard.detach().clone(), group=self.group)
+        compat.all_gather_single(self.full, self.shard.detach().clone(), group=self.group)
         self.counters["all_gather"] += self.padded * self.full.element_size()
         self.counters["calls"] += 1
 
@@ -115,7 +116,7 @@ class FlatUnit:
             return  # already reduced
         flat, self.grad_flat = self.grad_flat, None
         mine = flat.new_empty(self.k)
-        dist.reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
+        compat.reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM, group=self.group)
         self.counters["reduce_scatter"] += flat.numel() * flat.element_size()
         self.counters["calls"] += 1
         del flat  # the full gradient is not needed any more
@@ -223,7 +224,7 @@ class ZeRO(nn.Module):
             if src is None:
                 raise ValueError("no gradients yet: call backward (and reduce_gradients) first")
             full = src.new_empty(u.padded)
-            dist.all_gather_single(full, src.contiguous(), group=self.group)
+            compat.all_gather_single(full, src.contiguous(), group=self.group)
             offset = 0
             for n, p in zip(u.names, u.params):
                 out[n] = full[offset:offset + p.numel()].view(p.shape).clone()
@@ -376,9 +377,9 @@ def collective_workspace(numel: int) -> dict[str, float]:
             if name == "all_reduce":
                 dist.all_reduce(full)
             elif name == "reduce_scatter":
-                dist.reduce_scatter_single(part, full)
+                compat.reduce_scatter_single(part, full)
             else:
-                dist.all_gather_single(full, part)
+                compat.all_gather_single(full, part)
         snap = tracker.get_tracker_snapshot("peak")
         peak = snap[next(iter(snap))]["Total"]
         out[name] = (peak - 4 * (numel + numel // world)) / (4 * numel)
