@@ -1,7 +1,10 @@
 import pytest
+import torch
 
 from trainbook import launch
 from trainbook.parallel import harness, zero
+
+TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 # The memory experiment: a model whose states (16 bytes per parameter with fp32 AdamW) dwarf the
 # activations of one sequence per rank, so the stages' differences are visible.
@@ -105,7 +108,10 @@ def test_memory_ordering_and_estimator(memory):
             # buckets outlive the step, so its activations meet all its gradients (~1 block
             # here). So the measurement lies above the estimate by at most three fp32 gradients
             # of one block.
-            assert 0 <= peak[kind] - est <= 3 * block, (kind, peak[kind], est, block)
+            # torch 2.12's FSDP2 holds one more block-sized buffer (measured: 3.2 blocks over;
+            # data/torch-floor/): the floor version gets one block more
+            slack = 4 if kind == "fsdp2" and TORCH < (2, 13) else 3
+            assert 0 <= peak[kind] - est <= slack * block, (kind, peak[kind], est, block)
         workspace = r.value["workspace"]
         assert workspace["reduce_scatter"] == pytest.approx(1.0)  # gloo copies the input
         assert workspace["all_gather"] == pytest.approx(0.0)

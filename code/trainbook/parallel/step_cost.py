@@ -200,7 +200,7 @@ def _collective(op: str, n: int, nbytes: float, alpha_s: float, gbps: float) -> 
     return collective_time(op, n, nbytes, alpha_s, gbps * 1e9)
 
 
-def _link(stride: int, size: int, cluster: Cluster, op: str) -> tuple[float, float]:
+def link(stride: int, size: int, cluster: Cluster, op: str) -> tuple[float, float]:
     """(alpha, busbw GB/s) of collective `op` over a group of `size` ranks `stride` apart: the
     hardware table's achievable bus bandwidth inside the NVLink domain
     (`hardware.Accelerator.busbw_gbps`), the NIC otherwise."""
@@ -224,13 +224,13 @@ def step_time(layout: Layout, job: Job, cluster: Cluster) -> dict[str, float]:
     layers = stage_layers(cfg.n_layers, L.pp * L.interleave) * L.interleave
 
     # TP: 4 all-reduces of the layer's activations per layer (6 with full recompute)
-    a_tp, bw_tp = _link(1, L.tp, cluster, "all_reduce")
+    a_tp, bw_tp = link(1, L.tp, cluster, "all_reduce")
     act = mb * s / L.cp * cfg.d_model * e
     n_ar = 6 if L.recompute == "full" else 4
     t_tp = layers * n_ar * _collective("all_reduce", L.tp, act, a_tp, bw_tp)
 
     # CP: all-gather K and V forward, reduce-scatter their gradients backward
-    a_cp, bw_cp = _link(L.tp, L.cp, cluster, "all_gather")
+    a_cp, bw_cp = link(L.tp, L.cp, cluster, "all_gather")
     kv = 2 * mb * s * cfg.n_kv_heads / L.tp * cfg.head_dim * e
     n_cp = 3 if L.recompute == "full" else 2
     t_cp = layers * n_cp * _collective("all_gather", L.cp, kv, a_cp, bw_cp)
@@ -238,14 +238,14 @@ def step_time(layout: Layout, job: Job, cluster: Cluster) -> dict[str, float]:
     # EP: dispatch and combine all-to-alls, forward and backward (ranks carved out of dp)
     t_ep = 0.0
     if L.ep > 1:
-        a_ep, bw_ep = _link(L.tp * L.cp * L.pp, L.ep, cluster, "all_to_all")
+        a_ep, bw_ep = link(L.tp * L.cp * L.pp, L.ep, cluster, "all_to_all")
         tokens = mb * s / L.cp / L.tp * cfg.top_k * cfg.d_model * e
         t_ep = layers * 4 * _collective("all_to_all", L.ep, tokens, a_ep, bw_ep)
 
     # PP: one send forward and one backward per micro-batch and virtual stage
     t_p2p = 0.0
     if L.pp > 1:
-        a_pp, bw_pp = _link(L.tp * L.cp, L.pp, cluster, "send")
+        a_pp, bw_pp = link(L.tp * L.cp, L.pp, cluster, "send")
         t_p2p = 2 * L.interleave * (a_pp + act / L.tp / (bw_pp * 1e9))
     stage = t_comp + t_tp + t_cp + t_ep + t_p2p
     bubble = (L.pp - 1) / L.interleave * stage if L.pp > 1 else 0.0
@@ -257,7 +257,7 @@ def step_time(layout: Layout, job: Job, cluster: Cluster) -> dict[str, float]:
     params = memory_per_rank(L, job)["params_per_rank"]
     n_dp = L.dp * L.cp
     span = L.tp * L.cp if L.dp == 1 else L.gpus
-    a_dp, bw_dp = _link(1, span, cluster, "reduce_scatter")
+    a_dp, bw_dp = link(1, span, cluster, "reduce_scatter")
     unit = params * e / layers
     grads = layers * _collective("reduce_scatter", n_dp, unit, a_dp, bw_dp)
     gather = layers * _collective("all_gather", n_dp, unit, a_dp, bw_dp)
