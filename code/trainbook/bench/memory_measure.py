@@ -31,7 +31,9 @@ CATEGORIES = {"Parameter": "weights", "Buffer": "buffers", "Gradient": "grads",
               "Activation": "activations", "Temp": "temporaries", "Optstate": "optimizer"}
 
 
-def _step(model, optimizer, x, y) -> None:
+def reference_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step as the reference trainer takes it: the logits live to the end."""
     logits, loss = model(x, y)  # logits stay alive until the step ends, as in train.train
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -50,7 +52,7 @@ def tracked_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    step = step or _step
+    step = step or reference_step
     step(model, optimizer, x, y)
     tracker = (tracker_cls or MemTracker)()
     tracker.track_external(model, optimizer)
@@ -66,7 +68,9 @@ def tracked_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
     return out
 
 
-def _batch(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: int):
+def random_batch(cfg: ModelConfig, micro_batch: int, seq_len: int,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded random token ids and their shifted targets (bad sizes rejected first)."""
     if seq_len > cfg.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     if micro_batch < 1 or seq_len < 1:
@@ -97,7 +101,7 @@ def measure_step(cfg: ModelConfig, micro_batch: int, seq_len: int, recompute: st
         for block in model.blocks:
             checkpoint(block)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    return tracked_peak(model, optimizer, *_batch(cfg, micro_batch, seq_len, seed))
+    return tracked_peak(model, optimizer, *random_batch(cfg, micro_batch, seq_len, seed))
 
 
 def measure_fsdp_rank(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: int = 0) -> dict:
@@ -122,7 +126,7 @@ def measure_fsdp_rank(cfg: ModelConfig, micro_batch: int, seq_len: int, seed: in
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    x, y = _batch(cfg, micro_batch, seq_len, seed + dist.get_rank())
+    x, y = random_batch(cfg, micro_batch, seq_len, seed + dist.get_rank())
     out = tracked_peak(model, optimizer, x.to(device), y.to(device))
     out["rank"] = dist.get_rank()
     return out

@@ -21,6 +21,7 @@ Chapter: book/parallelism/putting-it-together; book/parallelism/pipeline-paralle
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -160,7 +161,7 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
 
-def _selective_policy():
+def selective_policy() -> Callable[[], tuple[object, object]]:
     """Op-level selective checkpointing: keep the matmul outputs, recompute everything else
     (norms, activations, softmax): most of the memory back for a few percent of the FLOPs."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -188,7 +189,7 @@ def apply_recompute(model: Transformer, mode: str) -> None:
         if mode == "full":
             checkpoint(block)
         else:
-            checkpoint(block, context_fn=_selective_policy())
+            checkpoint(block, context_fn=selective_policy())
 
 
 def parallelize(model: Transformer, layout: Layout, mesh: DeviceMesh,
