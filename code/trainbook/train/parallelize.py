@@ -168,7 +168,10 @@ def selective_policy() -> Callable[[], tuple[object, object]]:
 
     keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default}
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+    # not the CPU kernel (_scaled_dot_product_flash_attention_for_cpu): on a CPU selective
+    # recomputation reruns attention, as the memory chapter measures
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
