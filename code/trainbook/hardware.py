@@ -36,6 +36,9 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 TOPOLOGIES = ("switch", "mesh", "pcie")
 ASSUMED_LINK_EFFICIENCY = 0.8  # busbw / one-way link rate where nccl-tests figures are not listed
 RING_OPS = ("all_gather", "reduce_scatter", "ring_all_reduce", "all_to_all", "send")
+# Host link of a GPU: PCIe 5.0 x16, 32 GT/s x 16 lanes / 8 = 64 GB/s per direction before the
+# 128b/130b line code (PCI-SIG PCIe 5.0 base specification). Offload and CPU-side optimizers use it.
+PCIE5_X16_GBPS = 32 * 16 / 8
 
 
 @dataclass(frozen=True)

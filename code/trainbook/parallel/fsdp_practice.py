@@ -36,7 +36,7 @@ from .step_cost import Cluster, link
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-PCIE5_X16_GBPS = hardware.get("h100-pcie").interconnect_gbps / 2  # per direction (64 GB/s)
+PCIE5_X16_GBPS = hardware.PCIE5_X16_GBPS  # per direction, decimal GB/s
 
 
 def _check_rank_args(micro_batches: int, micro_batch: int, seq_len: int,

@@ -32,6 +32,7 @@ from ..bench.memory_measure import random_batch, reference_step, tracked_peak
 from ..compute.activations import production_layer_bytes
 from ..compute.flops import ATTENTION_CORE, forward_flops
 from ..configs import ModelConfig
+from ..hardware import PCIE5_X16_GBPS
 from ..hardware import get as get_gpu
 from ..model import Transformer
 from .parallelize import selective_policy
@@ -39,11 +40,7 @@ from .parallelize import selective_policy
 POLICIES = ("none", "full", "every-k", "selective", "offload")
 GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5  # fp32: recomputation replays the same kernels on this CPU
 
-# PCIe 5.0 (PCI-SIG, PCI Express Base Specification 5.0, 2019): 32 GT/s per lane; x16 carries
-# 32 x 16 / 8 = 64 GB/s per direction before the 128b/130b line code (63.0 GB/s after it).
-# The hardware table lists the same link as 128 GB/s bidirectional (h100-pcie).
-PCIE5_GT_PER_LANE, PCIE_LANES = 32, 16
-PCIE5_X16_GBPS = PCIE5_GT_PER_LANE * PCIE_LANES / 8  # decimal GB/s, one direction
+
 
 # On CPU, SDPA runs this kernel, which FlopCounterMode has no formula for: count it as its GPU
 # siblings are counted (the full T x T square, forward and backward; GQA as it is).
