@@ -59,9 +59,16 @@ def tracked_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
     with tracker:
         step(model, optimizer, x, y)
     snap = tracker.get_tracker_snapshot("peak")
-    dev = next(iter(snap))
-    out = {"peak": int(snap[dev]["Total"])}
-    for key, value in snap[dev].items():
+    out = by_category(snap)
+    return {"peak": out.pop("total"), **out}
+
+
+def by_category(snapshot: dict) -> dict:
+    """A MemTracker snapshot of one device as bytes by category ("weights", "grads", ...)
+    plus "total"."""
+    dev = next(iter(snapshot))
+    out = {"total": int(snapshot[dev]["Total"])}
+    for key, value in snapshot[dev].items():
         name = getattr(key, "value", str(key))
         if name in CATEGORIES:
             out[CATEGORIES[name]] = int(value)

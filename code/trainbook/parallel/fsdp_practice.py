@@ -145,16 +145,22 @@ def reference_init(cfg: ModelConfig, seed: int) -> Transformer:
     return model
 
 
-def _micro_batch_tracker() -> type:
+def _micro_batch_tracker(watch: torch.nn.Module | None = None,
+                         held: list[dict] | None = None) -> type:
     """MemTracker that lets a module run forward more than once in the tracked region (it
     refuses otherwise): the per-module stats restart at each micro-batch's forward, the global
-    peak, which is what is read, is kept."""
+    peak, which is what is read, is kept. With `watch`, it appends to `held` the snapshot of
+    what is live each time `watch`'s forward is about to start (before FSDP's own pre-forward
+    hook gathers it): a point every run reaches in the same state, unlike the peak, whose
+    position depends on when asynchronous collectives complete."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class MicroBatchTracker(MemTracker):
         def _pre_fw_hook(self, module: torch.nn.Module, inputs: object) -> None:
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
                 self.reset_mod_stats()
+            if module is watch and held is not None and not self._mod_tracker.is_bw:
+                held.append(self.get_tracker_snapshot("current"))
             super()._pre_fw_hook(module, inputs)
 
     return MicroBatchTracker
@@ -195,7 +201,7 @@ def practice_rank(cfg: ModelConfig, micro_batches: int = 4, micro_batch: int = 1
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..bench.memory_measure import tracked_peak
+    from ..bench.memory_measure import by_category, tracked_peak
     from ..launch import rank_device
 
     _check_rank_args(micro_batches, micro_batch, seq_len, cfg)
@@ -217,17 +223,22 @@ def practice_rank(cfg: ModelConfig, micro_batches: int = 4, micro_batch: int = 1
         return model, torch.optim.SGD(model.parameters(), lr=lr)
 
     def measure(model, opt, xb, yb, m: int, sync_each: bool) -> dict:
-        """A warm-up step, then a tracked one (MemTracker); collectives of the tracked step."""
-        counters = []
+        """A warm-up step, then a tracked one (MemTracker); collectives of the tracked step,
+        and the bytes live as the third block's forward is about to start in the last
+        micro-batch ("at_block", by category)."""
+        counters, held = [], []
 
         def step(mod, o, xs, ys):
             with CommCounter() as c:
                 accumulate_step(mod, o, xs, ys, m, sync_each)
             counters.append(c)
 
-        mem = tracked_peak(model, opt, xb, yb, step=step, tracker_cls=_micro_batch_tracker())
+        watch = model.blocks[min(2, len(model.blocks) - 1)]
+        mem = tracked_peak(model, opt, xb, yb, step=step,
+                           tracker_cls=_micro_batch_tracker(watch, held))
         return {"reduce_scatter": counters[-1].calls.get("reduce_scatter", 0),
-                "all_gather": counters[-1].calls.get("all_gather", 0), **mem}
+                "all_gather": counters[-1].calls.get("all_gather", 0),
+                "at_block": by_category(held[-1]), **mem}
 
     params = {}
     for name, sync_each in (("sync_each", True), ("sync_last", False)):
