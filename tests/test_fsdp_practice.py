@@ -44,19 +44,21 @@ def test_no_reshard_gathers_less_and_holds_more(ranks):
         assert r["no_reshard"]["peak"] > r["reshard"]["peak"]
 
 
+def _held(r: dict, name: str) -> float:
+    """Blocks held beyond resharding's as the third block's forward starts."""
+    extra = r[name]["at_block"]["total"] - r["reshard"]["at_block"]["total"]
+    return extra / r["block_bytes"]
+
+
 def test_prefetch_same_gathers_one_more_block_held(ranks):
     for r in ranks:
         assert r["prefetch_1"]["all_gather"] == r["prefetch_2"]["all_gather"] \
             == r["reshard"]["all_gather"]
-
-        def held(name):  # blocks held beyond resharding's as the third block starts
-            extra = r[name]["at_block"]["total"] - r["reshard"]["at_block"]["total"]
-            return extra / r["block_bytes"]
         # the peak's position depends on when asynchronous gathers complete (CI measured -0.3
         # to 1.3 blocks); the bytes live as a block starts do not
-        assert held("prefetch_1") == pytest.approx(1, abs=0.01)
-        assert held("prefetch_2") == pytest.approx(2, abs=0.01)
-        assert held("no_reshard") == pytest.approx(2, abs=0.01)  # blocks 0 and 1 kept gathered
+        assert _held(r, "prefetch_1") == pytest.approx(1, abs=0.01)
+        assert _held(r, "prefetch_2") == pytest.approx(2, abs=0.01)
+        assert _held(r, "no_reshard") == pytest.approx(2, abs=0.01)  # blocks 0 and 1 kept
 
 
 def test_meta_init_matches_and_saves_host_memory(ranks):
