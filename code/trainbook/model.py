@@ -68,6 +68,7 @@ class Attention(nn.Module):
         self.k = nn.Linear(d, kv * hd, bias=gpt2 or cfg.qkv_bias)
         self.v = nn.Linear(d, kv * hd, bias=gpt2 or cfg.qkv_bias)
         self.o = nn.Linear(h * hd, d, bias=gpt2)
+        self.softmax_scale: float | None = None  # None: 1/sqrt(head_dim); muP uses 1/head_dim
 
     def forward(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -85,7 +86,7 @@ class Attention(nn.Module):
         """Causal attention on (batch, heads, time, head_dim); context parallelism replaces it.
         Grouped-query attention (a kv head serves a group of q heads) goes to SDPA as it is
         (`enable_gqa`): no full-size copies of k and v, the same numbers."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
 

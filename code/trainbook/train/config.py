@@ -18,6 +18,12 @@ from .. import configs
 from ..layout import PP_SCHEDULES, RECOMPUTE, Layout, check_layout
 from .parallelize import VIRTUAL
 
+# the choices each trainer module implements (train/objective.py, optim.py, schedule.py, init.py)
+OBJECTIVES = ("clm",)
+OPTIMIZERS = ("adamw",)
+SCHEDULES = ("cosine",)
+INITS = ("scaled",)
+
 
 def _opt(default, help):  # a TrainConfig field whose help text becomes the CLI's --help
     return field(default=default, metadata={"help": help})
@@ -38,6 +44,10 @@ class TrainConfig:
     batch_size: int = _opt(16, "sequences per micro-batch per rank")
     grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
     steps: int = _opt(200, "optimizer steps")
+    objective: str = _opt("clm", "training objective: " + ", ".join(OBJECTIVES))
+    optimizer: str = _opt("adamw", "optimizer: " + ", ".join(OPTIMIZERS))
+    schedule: str = _opt("cosine", "learning-rate schedule: " + ", ".join(SCHEDULES))
+    init: str = _opt("scaled", "weight initialisation: " + ", ".join(INITS))
     lr: float = _opt(3e-3, "peak learning rate")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of the peak")
     warmup_steps: int = _opt(20, "linear warmup steps")
@@ -86,6 +96,11 @@ class TrainConfig:
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"need lr > 0 and min_lr_ratio in [0, 1], "
                              f"got {self.lr}, {self.min_lr_ratio}")
+        for name, choices in (("objective", OBJECTIVES), ("optimizer", OPTIMIZERS),
+                              ("schedule", SCHEDULES), ("init", INITS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, "
+                                 f"got {getattr(self, name)!r}")
         if self.dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
         if self.grad_clip < 0 or self.weight_decay < 0:

@@ -1,10 +1,12 @@
 """The reference training loop used throughout the book.
 
-AdamW with decoupled weight decay on matrices only, linear warmup then cosine decay, gradient
-clipping, gradient accumulation, optional autocast (bf16, or fp16 with a GradScaler), logging of
-loss, tokens/s and MFU, and checkpoints that resume bit for bit (model, optimizer, scaler, step,
-RNG, data position), written atomically and loaded with `weights_only=True`. One process on CPU
-or GPU, or several under `torchrun` with DistributedDataParallel.
+AdamW with decoupled weight decay on matrices only (or another optimizer, `optim`), linear
+warmup then cosine decay (or another schedule, `schedule`), an initialisation (`init`) and a
+training objective (`objective`), gradient clipping, gradient accumulation, optional autocast
+(bf16, or fp16 with a GradScaler), logging of loss, tokens/s and MFU, and checkpoints that
+resume bit for bit (model, optimizer, scaler, step, RNG, data position), written atomically
+and loaded with `weights_only=True`. One process on CPU or GPU, or several under `torchrun`
+with DistributedDataParallel.
 
 Chapter: book/start/first-run.
 """
@@ -12,7 +14,6 @@ Chapter: book/start/first-run.
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import random
 import time
@@ -43,25 +44,10 @@ from .checkpoint import (
 )
 from .config import TrainConfig, layout_for, model_config, read_layout
 from .engine import Composed, Plain, global_loss
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to cfg.lr over warmup_steps, then cosine decay to min_lr_ratio * lr at
-    cfg.steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
-
-
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms, biases)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+from .init import init_weights
+from .objective import prepare_model
+from .optim import make_optimizer
+from .schedule import lr_at
 
 
 @dataclass
@@ -145,6 +131,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     model = Transformer(mcfg).to(device)  # every rank the same weights: sharding starts whole
+    init_weights(model, cfg.init)
+    prepare_model(model, cfg.objective)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype)
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
@@ -227,7 +215,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         batches = [tuple(t.to(device) for t in loader.next_batch()) for _ in range(cfg.grad_accum)]
         loss = engine.step(batches)
         norm = engine.clip(optimizer, cfg.grad_clip or float("inf"))
