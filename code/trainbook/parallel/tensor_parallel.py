@@ -111,6 +111,7 @@ class TPAttention(Attention):
     def __init__(self, attn: Attention, comm: Comm):
         nn.Module.__init__(self)  # the layers come from `attn`, sliced, not freshly made
         self.cfg, self.comm = attn.cfg, comm
+        self.softmax_scale = attn.softmax_scale  # a muP-scaled model keeps its scale under TP
         self.q, self.k, self.v = (ColumnParallelLinear(m, comm) for m in (attn.q, attn.k, attn.v))
         self.o = RowParallelLinear(attn.o, comm)
 
