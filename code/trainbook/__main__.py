@@ -1,21 +1,38 @@
 """python -m trainbook <command>: the handbook's tools from the command line.
 
-Chapter: book/how-to-use.
+Chapter: book/how-to-use; book/appendix/cli (every command's help, printed from build_parser).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from .commands import COMMANDS
 
+_BAD_NUMBER = re.compile(r"invalid (int|float|positive_int|non_negative_int) value: ('.*')$")
+_WANTED = {"int": "a whole number", "positive_int": "a whole number",
+           "non_negative_int": "a whole number", "float": "a number"}
 
-def build_parser() -> argparse.ArgumentParser:
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `error: <what is wrong> (see `<command> --help`)`, exit
+    status 2, instead of the usage block followed by the error (a person reads one line)."""
+
+    def error(self, message: str) -> NoReturn:
+        message = _BAD_NUMBER.sub(lambda m: f"{m[2]} is not {_WANTED[m[1]]}", message)
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line (book/appendix/cli prints every command's help from it). prog:
+    the name in usage lines; default: as invoked (`trainbook` or `python -m trainbook`)."""
     invoked = Path(sys.argv[0]).name
-    parser = argparse.ArgumentParser(
-        prog="python -m trainbook" if invoked == "__main__.py" else invoked,
+    parser = Parser(
+        prog=prog or ("python -m trainbook" if invoked == "__main__.py" else invoked),
         description="Tools from trainbook, the executable LLM training handbook.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in COMMANDS.items():
@@ -31,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what the command printed so far is its summary
+        print(f"interrupted: `{args.command}` stopped by Ctrl-C; the output above is what it "
+              "finished (exit status 130)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

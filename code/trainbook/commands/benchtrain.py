@@ -22,7 +22,7 @@ import torch
 
 from ..bench import hf, matmul
 from ..report import table
-from ._args import command_line, non_negative_int, positive_int
+from ._args import check_model_file, check_writable, command_line, non_negative_int, positive_int
 
 HELP = "training tokens/s of the reference model vs Hugging Face transformers, same weights"
 
@@ -61,6 +61,8 @@ def results(args: argparse.Namespace, rows: list[dict], device: torch.device) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    for m in args.models:
+        check_model_file(m)
     cfgs = [hf.resolve(m) for m in args.models]  # every input checked before any work
     if len({c.name for c in cfgs}) != len(cfgs):
         raise ValueError(f"--models names a model twice: {' '.join(args.models)}")
@@ -70,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
                                  args.device, args.warmup)
     if args.output and Path(args.output).is_dir():
         raise ValueError(f"--output {args.output} is a folder; give a file name")
+    check_writable(args.output, "--output")
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -20,7 +20,7 @@ import torch
 from ..bench import collectives as bench
 from ..report import table
 from . import _torchrun
-from ._args import non_negative_int, positive_int
+from ._args import check_writable, non_negative_int, positive_float, positive_int
 
 HELP = "time, algbw, busbw and alpha-beta fit of each collective on the torchrun ranks"
 
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="untimed calls first (default: 2)")
     p.add_argument("--dtype", default="fp32", choices=list(bench.DTYPES),
                    help="element type (default: fp32)")
-    p.add_argument("--timeout-s", type=float, default=300,
+    p.add_argument("--timeout-s", type=positive_float, default=300,
                    help="seconds before a stuck collective fails (default: 300)")
     p.add_argument("--json", action="store_true",
                    help="print JSON (meta, rows, fits) instead of a table")
@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = bench.payload_sizes(*map(bench.parse_size, args.payload_range), args.factor)
     if args.json_out and not Path(args.json_out).resolve().parent.is_dir():
         raise ValueError(f"--json-out {args.json_out}: its folder does not exist; create it first")
+    check_writable(args.json_out, "--json-out")
     _torchrun.world_size("collectives")
     with _torchrun.process_group(args.timeout_s) as backend:
         rows = bench.benchmark(ops, sizes, args.iters, args.warmup, bench.DTYPES[args.dtype])

@@ -15,6 +15,7 @@ import json
 from .. import configs, hardware
 from ..compute import cost
 from ..report import table
+from ._args import check_model_file, finite_float
 
 HELP = "training time and cost from FLOPs, GPUs, peak and MFU, with checkpoint/failure goodput"
 
@@ -35,28 +36,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"accelerator from the spec table: {', '.join(hardware.SPECS)} "
                         "(default: h100-sxm)")
     p.add_argument("--gpus", type=int, default=1, help="number of GPUs, >= 1 (default: 1)")
-    p.add_argument("--mfu", type=float, default=0.4,
+    p.add_argument("--mfu", type=finite_float, default=0.4,
                    help="model FLOPs utilisation in (0, 1], e.g. 0.4 for 40%% (default: 0.4)")
     p.add_argument("--dtype", default="bf16",
                    help=f"dtype whose dense peak MFU refers to: {', '.join(hardware.DTYPES)} "
                         "(default: bf16)")
-    p.add_argument("--price-per-gpu-hour", type=float, default=None,
+    p.add_argument("--price-per-gpu-hour", type=finite_float, default=None,
                    help="price of one GPU-hour in your currency; without it no cost is printed")
     g = p.add_argument_group("goodput (checkpoints and failures)")
-    g.add_argument("--ckpt-minutes", type=float, default=1.0,
+    g.add_argument("--ckpt-minutes", type=finite_float, default=1.0,
                    help="minutes a blocking checkpoint write stalls training (default: 1)")
     g.add_argument("--ckpt-interval-minutes", default="auto",
                    help="minutes of training between checkpoints, or 'auto' for Young's "
                         "sqrt(2 x ckpt time x cluster MTBF) (default: auto)")
     f = g.add_mutually_exclusive_group()
-    f.add_argument("--mtbf-gpu-hours", type=float, default=None,
+    f.add_argument("--mtbf-gpu-hours", type=finite_float, default=None,
                    help="mean time between job-stopping failures of ONE GPU, in GPU-hours "
                         f"(default: {LLAMA3_MTBF_GPU_HOURS:,.0f}, Llama 3's 419 interruptions "
                         "in 54 days on 16,384 GPUs)")
-    f.add_argument("--failures-per-million-gpu-hours", type=float, default=None,
+    f.add_argument("--failures-per-million-gpu-hours", type=finite_float, default=None,
                    help="the same failure rate written as failures per 10^6 GPU-hours "
                         f"(Llama 3: {1e6 / LLAMA3_MTBF_GPU_HOURS:.1f})")
-    g.add_argument("--restart-minutes", type=float, default=10.0,
+    g.add_argument("--restart-minutes", type=finite_float, default=10.0,
                    help="minutes from a failure until training runs again (default: 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -85,6 +86,7 @@ def _interval(text: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_model_file(args.model)
     est = cost.estimate(args.model, args.tokens, args.gpu, args.gpus, args.mfu, args.dtype,
                         args.seq_len, args.flops, args.price_per_gpu_hour)
     gp = cost.goodput(est.seconds / 3600, args.gpus, _mtbf(args), args.ckpt_minutes,

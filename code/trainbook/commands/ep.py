@@ -15,7 +15,7 @@ import json
 from ..parallel import expert_parallel, harness
 from ..parallel.moe_routing import check_moe
 from . import _torchrun
-from ._args import positive_int
+from ._args import finite_float, positive_int
 
 HELP = ("expert parallelism: train a tiny MoE with experts over the ranks, routing and traffic "
         "(torchrun)")
@@ -29,10 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=positive_int, default=16,
                    help="sequences per step, all ranks together; divisible by the ranks "
                         "(default: 16)")
-    p.add_argument("--capacity-factor", type=float, default=None,
+    p.add_argument("--capacity-factor", type=finite_float, default=None,
                    help="tokens an expert takes, as a multiple of an even share "
                         "(default: no limit, no token dropped)")
-    p.add_argument("--aux-weight", type=float, default=0.01,
+    p.add_argument("--aux-weight", type=finite_float, default=0.01,
                    help="weight of the load-balancing loss (default: 0.01)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 

@@ -17,6 +17,7 @@ from .. import configs
 from ..compute import flops
 from ..compute.cost import parse_count
 from ..report import table
+from ._args import check_model_file
 
 HELP = "training FLOPs by component (exact matmul count), recomputation, 6N and PaLM's count"
 
@@ -68,6 +69,7 @@ def report(model: str | Path | configs.ModelConfig, seq_len: int, recompute: str
 
 
 def run(args: argparse.Namespace) -> int:
+    check_model_file(args.model)
     tokens = parse_count(args.tokens) if args.tokens is not None else None
     r = report(args.model, args.seq_len, args.recompute, args.causal, args.batch, tokens)
     if args.json:

@@ -35,7 +35,7 @@ from ..bench import matmul
 from ..bench.timing import default_flush_bytes
 from ..launch import resolve_device
 from ..report import table
-from ._args import command_line
+from ._args import check_writable, command_line
 
 HELP = "measure this GPU (or CPU) once: MAMF, trainer tokens/s and MFU, a step profile, memory"
 
@@ -92,6 +92,7 @@ def _validate(args) -> tuple[torch.device, str, Path]:
     out = Path(args.out) if args.out else Path("data") / "gpu" / G.device_slug(device)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a folder")
+    check_writable(str(out), "--out", folder=True)
     return device, size, out
 
 

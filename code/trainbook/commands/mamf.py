@@ -18,38 +18,48 @@ from ..bench import matmul
 from ..bench.timing import default_flush_bytes
 from ..launch import resolve_device
 from ..report import table
-from ._args import command_line
+from ._args import (
+    check_writable,
+    command_line,
+    finite_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
+MAX_VALUES = 10_000  # per dimension: a sweep past this would not finish
 HELP = "maximum achievable matmul FLOPS: sweep matmul shapes, report the best TFLOPS and shape"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     for dim in ("m", "n", "k"):
         g = p.add_mutually_exclusive_group()
-        g.add_argument(f"--{dim}", type=int, nargs="+", metavar=dim.upper(),
+        g.add_argument(f"--{dim}", type=positive_int, nargs="+", metavar=dim.upper(),
                        help=f"fixed value(s) of {dim} (several allowed)")
-        g.add_argument(f"--{dim}-range", type=int, nargs=3, metavar=("START", "STOP", "STEP"),
+        g.add_argument(f"--{dim}-range", type=positive_int, nargs=3,
+                       metavar=("START", "STOP", "STEP"),
                        help=f"{dim} from START to STOP inclusive, every STEP")
     p.add_argument("--dtype", default="bf16",
                    help="fp32, tf32 (GPU), bf16, fp16 or fp8 (GPU, compute capability >= 8.9); "
                         "default bf16")
     p.add_argument("--device", default="auto", help="auto (GPU if visible), cpu, cuda or cuda:N; "
                                                     "ROCm GPUs are cuda")
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--repeats", type=positive_int, default=None,
                    help="timed matmuls per shape (default 50 on GPU, 10 on CPU; 3 with --quick)")
-    p.add_argument("--warmup", type=int, default=None,
+    p.add_argument("--warmup", type=non_negative_int, default=None,
                    help="untimed matmuls per shape first (default 10 on GPU, 2 on CPU; 1 quick)")
-    p.add_argument("--flush-mib", type=float, default=None,
+    p.add_argument("--flush-mib", type=finite_float, default=None,
                    help="cache-flush buffer written before every timed matmul, MiB (default: "
                         "256 on GPU, 2x the last-level cache capped at 256 on CPU; 32 quick)")
-    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--budget", type=positive_float, default=None, metavar="SECONDS",
                    help="time budget: probe the dtype's speed first, skip shapes that would not "
                         "fit, and say how many were measured (for CPUs that emulate bf16/fp16)")
     p.add_argument("--quick", action="store_true",
                    help="fewer repeats and a small flush: a first look in seconds")
     p.add_argument("--output", metavar="FILE",
                    help="append results as JSON lines (metadata line, then one line per shape)")
-    p.add_argument("--top", type=int, default=10, help="shapes listed in the summary table")
+    p.add_argument("--top", type=positive_int, default=10,
+                   help="shapes listed in the summary table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary and all rows as JSON")
 
@@ -57,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _values(args, dim):
     r = getattr(args, f"{dim}_range")
     if r is not None:
+        if (r[1] - r[0]) // r[2] + 1 > MAX_VALUES:
+            raise ValueError(f"--{dim}-range {' '.join(map(str, r))} gives more than "
+                             f"{MAX_VALUES:,} values; use a larger STEP")
         return matmul.parse_range(*r, name=dim)
     fixed = getattr(args, dim)
     if fixed is None:
@@ -71,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     shapes = matmul.make_shapes(*(_values(args, d) for d in "mnk"))
     device = resolve_device(args.device)
+    matmul.check_dtype(args.dtype, device)  # an unknown or unsupported dtype fails before work
+    check_writable(args.output, "--output")
     gpu = device.type == "cuda"
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 50 if gpu else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 10 if gpu else 2)

@@ -15,6 +15,7 @@ import math
 from .. import configs, hardware
 from ..compute import memory
 from ..report import table
+from ._args import check_model_file
 
 HELP = "training memory per rank: model states, activations, logits; fits a GPU?"
 
@@ -77,6 +78,8 @@ def inputs_from_args(args: argparse.Namespace) -> memory.MemoryInputs:
 
 def run(args: argparse.Namespace) -> int:
     hardware.get(args.gpu)  # an unknown GPU fails before any work
+    if args.model:
+        check_model_file(args.model)
     x = inputs_from_args(args)
     b = memory.estimate(x)
     fit = memory.fits(b, args.gpu)

@@ -10,6 +10,7 @@ import json
 
 from .. import configs
 from ..report import table
+from ._args import check_model_file
 
 HELP = "parameter counts by component for a preset or a Hugging Face config.json"
 
@@ -21,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_model_file(args.model)
     cfg = configs.resolve(args.model)
     counts = configs.param_counts(cfg)
     if args.json:
