@@ -13,9 +13,12 @@ import argparse
 import json
 
 from .. import configs, hardware
+from ..compute.memory import ESTIMATE_MARGIN
 from ..parallel import planner
 from ..report import table
+from ._args import check_model_file, finite_float
 
+MAX_GPUS = 2**20  # 1,048,576: above the largest clusters built
 HELP = "rank parallel layouts (dp/tp/pp/cp/ep, ZeRO, micro-batch, recompute) for a model on N GPUs"
 
 
@@ -42,13 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--domain-gpus", type=int, default=None,
                    help="GPUs per NVLink domain (default: the GPU's, from the hardware table: "
                         "8 for HGX nodes, 72 for GB200 NVL72)")
-    p.add_argument("--nic-gbps", type=float, default=None,
+    p.add_argument("--nic-gbps", type=finite_float, default=None,
                    help="scale-out network per GPU in GB/s (default: the GPU's platform, e.g. "
                         "50 for one 400 Gb/s NIC per GPU)")
-    p.add_argument("--mfu-matmul", type=float, default=0.5,
+    p.add_argument("--mfu-matmul", type=finite_float, default=0.5,
                    help="fraction of the bf16 peak the matmuls reach (default 0.5)")
-    p.add_argument("--headroom", type=float, default=0.10,
+    p.add_argument("--headroom", type=finite_float, default=0.10,
                    help="fraction of GPU memory kept free (default 0.10)")
+    p.add_argument("--margin", type=finite_float, default=ESTIMATE_MARGIN,
+                   help="keep only layouts whose estimated peak may grow by this fraction and "
+                        f"still fit: the estimator's error (default {ESTIMATE_MARGIN:g}; 0 "
+                        "keeps every layout that fits)")
     p.add_argument("--explain", metavar="LAYOUT",
                    help="explain one layout instead, e.g. "
                         "'tp=8,pp=16,dp=128,zero=2,recompute=full' (dp defaults to the rest)")
@@ -58,8 +65,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.gpus is None or args.gpus < 1:
         raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
+    check_model_file(args.model)
+    if args.gpus > MAX_GPUS:  # the layouts enumerate the divisors: past this it never ends
+        raise ValueError(f"--gpus {args.gpus:,} is more than the planner enumerates; give at most "
+                         f"{MAX_GPUS:,}")
     if args.top < 1:
         raise ValueError(f"--top must be a positive integer, got {args.top}")
+    if not 0 <= args.margin < 1:
+        raise ValueError(f"--margin is a fraction of the estimated peak in [0, 1), got "
+                         f"{args.margin:g}; e.g. --margin {ESTIMATE_MARGIN:g} (the estimator's "
+                         "error) or --margin 0 to keep every layout that fits")
     cluster = planner.Cluster(gpu=args.gpu, gpus=args.gpus, domain_gpus=args.domain_gpus,
                               nic_gbps=args.nic_gbps, mfu_matmul=args.mfu_matmul,
                               headroom=args.headroom)
@@ -69,17 +84,18 @@ def run(args: argparse.Namespace) -> int:
         text = planner.explain(args.explain, job, cluster)
         print(json.dumps({"explain": text}, indent=2) if args.json else text)
         return 0
-    plans = planner.rank(job, cluster)
+    plans = planner.rank(job, cluster, margin=args.margin)
     shown = (plans if args.all_variants else planner.best_per_shape(plans))[: args.top]
     if args.json:
         print(json.dumps({"model": job.model.name, "gpu": cluster.spec.name, "gpus": args.gpus,
-                          "feasible_layouts": len(plans),
+                          "margin": args.margin, "feasible_layouts": len(plans),
                           "layouts": [dict(p.row(), breakdown_s=p.breakdown) for p in shown]},
                          indent=2))
         return 0
     print(f"{job.model.name} on {args.gpus:,} x {cluster.spec.name}: {job.sequences:,} sequences "
           f"of {job.seq_len:,} tokens per step; {len(plans)} feasible layouts "
-          f"(memory limit {cluster.usable_gib:.1f} GiB, matmuls at {cluster.mfu_matmul:.0%} of "
+          f"(memory limit {cluster.usable_gib:.1f} GiB with the peak {args.margin:.0%} higher, "
+          f"matmuls at {cluster.mfu_matmul:.0%} of "
           f"peak, network {cluster.nic_gbps:g} GB/s per GPU)")
     if not plans:
         print("no layout fits: more GPUs, a shorter sequence or a smaller global batch; "

@@ -41,7 +41,7 @@ from .activations import (  # noqa: F401  (re-exported: the chapter reads them f
 from .roofline import bytes_per_element
 
 GiB = 2**30
-OPTIMIZERS = ("adamw", "sgd", "adam8bit", "adafactor")
+OPTIMIZERS = ("adamw", "sgd", "adam8bit", "adafactor", "adam", "lion", "muon", "sgd-plain")
 GRAD_DTYPES = ("fp32", "bf16", "fp16")
 # The error the estimator promises: the memory chapter's estimate-against-MemTracker checks stay
 # within it. A peak closer than this to the capacity is too close to call.
@@ -70,12 +70,16 @@ def state_bytes_per_param(dtype: str = "bf16", optimizer: str = "adamw",
     values (Dettmers et al. 2022), 2 + 8/2048 bytes; adafactor: no momentum (beta1 = 0) and a
     factored second moment, one row and one column vector per matrix (Shazeer and Stern 2018),
     which is ~0 bytes per parameter; `estimate` adds the exact factored size when it knows the
-    shapes.
+    shapes. adam: as adamw (8); lion: momentum only (4); sgd-plain: no momentum (0); muon:
+    a momentum for every parameter (4) plus AdamW's second moment on what Muon leaves to it
+    (embeddings, head, norms), which `estimate` adds when it knows the shapes (book/pretraining/
+    optimizers measures all of these from the optimizers' state_dicts).
     """
     dtype = check_choice(dtype, PRECISIONS, "dtype")
     optimizer = check_choice(optimizer, OPTIMIZERS, "optimizer")
     grads = float(bytes_per_element(check_grad_dtype(dtype, grad_dtype)))
-    opt = {"adamw": 8.0, "sgd": 4.0, "adam8bit": 2.0 + 8.0 / 2048, "adafactor": 0.0}[optimizer]
+    opt = {"adamw": 8.0, "sgd": 4.0, "adam8bit": 2.0 + 8.0 / 2048, "adafactor": 0.0,
+           "adam": 8.0, "lion": 4.0, "muon": 4.0, "sgd-plain": 0.0}[optimizer]
     if dtype == "fp32":
         return {"weights": 4.0, "grads": grads, "optimizer": opt}
     return {"weights": 2.0, "grads": grads, "optimizer": 4.0 + opt}  # + fp32 master weights
@@ -248,6 +252,13 @@ def _adafactor_factored(cfg: ModelConfig) -> tuple[float, float]:
     return numel + sum(r * c for r, c in head), rc + sum(r + c for r, c in head)
 
 
+def _muon_adamw_share(cfg: ModelConfig) -> float:
+    """The share of parameters Muon leaves to AdamW: all but the blocks' matrices."""
+    c = param_counts(cfg)
+    hidden = _adafactor_factored(cfg)[0] - c["embedding"] - c["head"] - c["position"]
+    return 1 - hidden / c["total"]
+
+
 def estimate(x: MemoryInputs) -> MemoryBreakdown:
     """Memory per rank for one training setup (see the module docstring for the models)."""
     b = state_bytes_per_param(x.dtype, x.optimizer, x.grad_dtype)
@@ -258,6 +269,9 @@ def estimate(x: MemoryInputs) -> MemoryBreakdown:
         notes.append("bare parameter count: model states only (no shapes, no activations)")
         if x.optimizer == "adafactor":
             notes.append("adafactor: factored second moment not counted without shapes (~0)")
+        if x.optimizer == "muon":
+            notes.append("muon: AdamW's second moment on embeddings, head and norms not "
+                         "counted without shapes")
         total = w + g + o
         return MemoryBreakdown(w, g, o, 0.0, 0.0, 0.0, total, total, n, "all", notes)
 
@@ -292,6 +306,8 @@ def estimate(x: MemoryInputs) -> MemoryBreakdown:
         if x.optimizer == "adafactor":
             numel, rc = _adafactor_factored(cfg)
             o += 4 * rc * (n_dense + n_expert) / numel / (x.dp if x.zero >= 1 else 1)
+        if x.optimizer == "muon":  # AdamW's second moment, by the model's share
+            o += 4 * _muon_adamw_share(cfg) * (n_dense + n_expert) / (x.dp if x.zero >= 1 else 1)
         # activations: 1F1B keeps min(pp, microbatches) micro-batches in flight on the first
         # stage, L layers' worth in all; the interleaved schedule with v virtual stages holds
         # 1 + (pp - 1) / (pp * v) times that (Korthikanti et al. 2022, Section 4.2.3).
