@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -41,6 +43,39 @@ def test_tokenizer_errors():
         data.make_tokenizer("sentencepiece")
     with pytest.raises(ValueError, match="vocab_size must be in"):
         data.BPETokenizer.train("abc", 100)
+
+
+def test_own_text_file_and_tokenizer_file(cache_dir, tmp_path):
+    """A corpus may be a UTF-8 file and a tokenizer a tokenizers JSON file: the path a reader
+    takes to train on their own data (and the lifecycle chapter takes between stages)."""
+    text = data.load_corpus()[:20_000]
+    own = tmp_path / "own.txt"
+    own.write_text(text, encoding="utf-8")
+    assert data.load_corpus(str(own)) == text
+    tok = data.make_tokenizer("bpe", 300, corpus=str(own), cache_dir=cache_dir)
+    cached = list(Path(cache_dir).glob("bpe-own-*-300.json"))
+    assert len(cached) == 1  # keyed by the file's content, not a path with slashes
+    tok.save(tmp_path / "tok.json")
+    again = data.make_tokenizer(str(tmp_path / "tok.json"))
+    assert again.vocab_size == 300 and again.encode(text[:500]) == tok.encode(text[:500])
+    ds = data.build_dataset(again, 16, str(own))
+    assert ds.train.shape[1] == 17 and len(ds.val) > 0
+
+
+def test_own_files_bad_input(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        data.load_corpus(str(tmp_path / "latin1.txt"))
+    with pytest.raises(ValueError, match="is empty"):
+        data.load_corpus(str(tmp_path / "empty.txt"))
+    with pytest.raises(ValueError, match="path of a UTF-8 text file"):
+        data.load_corpus(str(tmp_path / "missing.txt"))
+    with pytest.raises(ValueError, match="cannot read .* as a tokenizers JSON"):
+        data.make_tokenizer(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        data.make_tokenizer(str(tmp_path / "missing.json"))
 
 
 def test_pack_shifts_targets_by_one_and_covers_every_token_once():

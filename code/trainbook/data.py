@@ -30,13 +30,34 @@ CORPUS_SHA256 = {
 
 
 def load_corpus(name: str = "tinyshakespeare") -> str:
-    """The text of a shipped corpus, checked against its recorded sha256."""
-    if name not in CORPORA:
-        raise ValueError(f"unknown corpus {name!r}; shipped: {', '.join(CORPORA)}")
-    raw = resources.files("trainbook.corpus").joinpath(CORPORA[name]).read_bytes()
-    if hashlib.sha256(raw).hexdigest() != CORPUS_SHA256[name]:
-        raise RuntimeError(f"corpus {name} is corrupt (sha256 mismatch); reinstall trainbook")
-    return raw.decode("utf-8")
+    """The text of a shipped corpus (checked against its recorded sha256), or of a UTF-8 text
+    file: your own data, or a cleaned corpus that an earlier stage wrote (book/start/lifecycle)."""
+    if name in CORPORA:
+        raw = resources.files("trainbook.corpus").joinpath(CORPORA[name]).read_bytes()
+        if hashlib.sha256(raw).hexdigest() != CORPUS_SHA256[name]:
+            raise RuntimeError(f"corpus {name} is corrupt (sha256 mismatch); reinstall trainbook")
+        return raw.decode("utf-8")
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"unknown corpus {name!r}: give a shipped corpus "
+                         f"({', '.join(CORPORA)}) or the path of a UTF-8 text file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"corpus {name} is not UTF-8 text ({e}); convert it, e.g. with iconv "
+                         "-t UTF-8") from None
+    if not text.strip():
+        raise ValueError(f"corpus {name} is empty; give a file with text to train on")
+    return text
+
+
+def _corpus_key(name: str) -> str:
+    """A file-name-safe key for a corpus: its name if shipped, else stem and content hash (two
+    files of the same name never share a cached tokenizer)."""
+    if name in CORPORA:
+        return name
+    digest = hashlib.sha256(load_corpus(name).encode("utf-8")).hexdigest()[:12]
+    return f"{Path(name).stem}-{digest}"
 
 
 class ByteTokenizer:
@@ -96,14 +117,15 @@ class BPETokenizer:
 
 def make_tokenizer(kind: str = "bpe", vocab_size: int = 1024, corpus: str = "tinyshakespeare",
                    cache_dir: str | Path | None = None) -> ByteTokenizer | BPETokenizer:
-    """'bytes' or a BPE of `vocab_size` trained on `corpus` (cached as JSON in cache_dir if
-    given)."""
+    """'bytes'; 'bpe', a BPE of `vocab_size` trained on `corpus` (cached as JSON in cache_dir
+    if given); or the path of a tokenizer saved as Hugging Face `tokenizers` JSON (its own
+    vocabulary: `vocab_size` is then ignored)."""
     if kind == "bytes":
         return ByteTokenizer()
     if kind != "bpe":
-        raise ValueError(f"unknown tokenizer {kind!r}; use 'bytes' or 'bpe'")
+        return load_tokenizer_file(kind)
     if cache_dir is not None:
-        path = Path(cache_dir) / f"bpe-{corpus}-{vocab_size}.json"
+        path = Path(cache_dir) / f"bpe-{_corpus_key(corpus)}-{vocab_size}.json"
         if path.exists():
             return BPETokenizer.from_file(path)
     tok = BPETokenizer.train(load_corpus(corpus), vocab_size)
@@ -113,6 +135,20 @@ def make_tokenizer(kind: str = "bpe", vocab_size: int = 1024, corpus: str = "tin
         tok.save(tmp)
         os.replace(tmp, path)
     return tok
+
+
+def load_tokenizer_file(path: str | Path) -> BPETokenizer:
+    """A tokenizer saved by `tokenizers` (`Tokenizer.save`, or `BPE.to_hf().save` of
+    trainbook.pretrain.bpe). Raises ValueError naming the file and the fix."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"unknown tokenizer {str(path)!r}: use 'bytes', 'bpe' or the path of a "
+                         "tokenizer.json saved by Hugging Face tokenizers")
+    try:
+        return BPETokenizer.from_file(p)
+    except Exception as e:  # tokenizers raises its own Exception type for a malformed file
+        raise ValueError(f"cannot read {str(path)!r} as a tokenizers JSON file ({e}); save one "
+                         "with Tokenizer.save") from None
 
 
 def pack(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:

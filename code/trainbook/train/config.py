@@ -11,18 +11,27 @@ Chapter: book/start/first-run; book/parallelism/putting-it-together.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from .. import configs
 from ..layout import PP_SCHEDULES, RECOMPUTE, Layout, check_layout
+from .objective import special_tokens
 from .parallelize import VIRTUAL
 
 # the choices each trainer module implements (train/objective.py, optim.py, schedule.py, init.py)
-OBJECTIVES = ("clm",)
-OPTIMIZERS = ("adamw",)
-SCHEDULES = ("cosine",)
-INITS = ("scaled",)
+OBJECTIVES = ("clm", "mlm", "span", "prefix")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion", "muon")
+SCHEDULES = ("cosine", "wsd", "linear", "constant")
+DECAY_SHAPES = ("1-sqrt", "linear")  # the shapes of WSD's final decay (train/schedule.py)
+INITS = ("scaled", "standard", "mup")
+
+
+def decay_start(steps: int, decay_frac: float) -> int:
+    """The step WSD's final decay starts at: the last decay_frac of the run, rounded to the
+    nearest step (half up) and at least one step, decays (train/schedule.py)."""
+    return steps - max(1, math.floor(decay_frac * steps + 0.5))
 
 
 def _opt(default, help):  # a TrainConfig field whose help text becomes the CLI's --help
@@ -37,9 +46,11 @@ class TrainConfig:
     n_heads: int | None = _opt(None, "override the preset's number of attention heads")
     n_kv_heads: int | None = _opt(None, "override the preset's number of key/value heads")
     d_ff: int | None = _opt(None, "override the preset's MLP hidden size")
-    tokenizer: str = _opt("bpe", "'bpe' (trained on the corpus) or 'bytes'")
+    tokenizer: str = _opt("bpe", "'bpe' (trained on the corpus), 'bytes', or the path of a "
+                                 "tokenizers JSON file (its own vocabulary)")
     vocab_size: int = _opt(1024, "BPE vocabulary size (ignored for bytes)")
-    corpus: str = _opt("tinyshakespeare", "shipped corpus to train on")
+    corpus: str = _opt("tinyshakespeare", "shipped corpus, or the path of a UTF-8 text file "
+                                          "(its last tenth is the validation split)")
     seq_len: int = _opt(128, "tokens per sequence")
     batch_size: int = _opt(16, "sequences per micro-batch per rank")
     grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
@@ -47,7 +58,12 @@ class TrainConfig:
     objective: str = _opt("clm", "training objective: " + ", ".join(OBJECTIVES))
     optimizer: str = _opt("adamw", "optimizer: " + ", ".join(OPTIMIZERS))
     schedule: str = _opt("cosine", "learning-rate schedule: " + ", ".join(SCHEDULES))
+    decay_frac: float = _opt(0.2, "wsd: share of the steps in the final decay (the cooldown)")
+    decay_shape: str = _opt("1-sqrt", "wsd: shape of the final decay: " + ", ".join(DECAY_SHAPES))
     init: str = _opt("scaled", "weight initialisation: " + ", ".join(INITS))
+    mup_base_width: int | None = _opt(None, "muP's base d_model, whose tuned learning rate "
+                                            "transfers (default: the preset's); scale d_ff "
+                                            "with d_model, keep the heads")
     lr: float = _opt(3e-3, "peak learning rate")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of the peak")
     warmup_steps: int = _opt(20, "linear warmup steps")
@@ -101,6 +117,18 @@ class TrainConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, "
                                  f"got {getattr(self, name)!r}")
+        if self.mup_base_width is not None and self.mup_base_width < 1:
+            raise ValueError(f"mup_base_width must be >= 1 (or None), got {self.mup_base_width}")
+        if not 0 < self.decay_frac <= 1:
+            raise ValueError(f"decay_frac must be in (0, 1] (the share of the steps in WSD's "
+                             f"final decay), got {self.decay_frac}")
+        if self.decay_shape not in DECAY_SHAPES:
+            raise ValueError(f"decay_shape must be one of {', '.join(DECAY_SHAPES)}, "
+                             f"got {self.decay_shape!r}")
+        if self.schedule == "wsd" and decay_start(self.steps, self.decay_frac) < self.warmup_steps:
+            raise ValueError(f"wsd: {self.warmup_steps} warmup steps and a decay over the last "
+                             f"{self.decay_frac:g} of {self.steps} steps do not fit in "
+                             f"{self.steps} steps; lower warmup_steps or decay_frac")
         if self.dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
         if self.grad_clip < 0 or self.weight_decay < 0:
@@ -132,6 +160,7 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> configs.ModelConfig:
     overrides = {k: getattr(cfg, k) for k in sizes
                  if getattr(cfg, k) is not None}
     base = configs.resolve(cfg.model)
+    vocab_size += special_tokens(cfg.objective, cfg.seq_len)  # [MASK], sentinels: on top
     return base.with_(vocab_size=vocab_size, max_seq_len=cfg.seq_len, **overrides)
 
 
@@ -199,6 +228,10 @@ def layout_for(cfg: TrainConfig, world: int, mcfg: configs.ModelConfig) -> Layou
     if composed and cfg.dtype == "fp16":
         raise ValueError("fp16 loss scaling is wired for one process and DDP only; "
                          "use --dtype bf16 with FSDP, TP or PP")
+    if composed and cfg.objective != "clm":
+        raise ValueError(f"--objective {cfg.objective} is wired for one process and DDP only "
+                         "(its attention mask is read from the targets, which FSDP/TP/PP "
+                         "stages do not all see); use --objective clm with FSDP, TP or PP")
     if composed and cfg.compile:
         raise ValueError("--compile is wired for one process and DDP only")
     if lay.gpus != world:

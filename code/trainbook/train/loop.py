@@ -45,7 +45,7 @@ from .checkpoint import (
 from .config import TrainConfig, layout_for, model_config, read_layout
 from .engine import Composed, Plain, global_loss
 from .init import init_weights
-from .objective import prepare_model
+from .objective import objective_batches, prepare_model
 from .optim import make_optimizer
 from .schedule import lr_at
 
@@ -131,7 +131,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     model = Transformer(mcfg).to(device)  # every rank the same weights: sharding starts whole
-    init_weights(model, cfg.init)
+    init_weights(model, cfg.init, cfg.mup_base_width)
     prepare_model(model, cfg.objective)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype)
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
@@ -217,6 +217,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         batches = [tuple(t.to(device) for t in loader.next_batch()) for _ in range(cfg.grad_accum)]
+        batches = objective_batches(cfg.objective, batches, mcfg.vocab_size,
+                                    (cfg.seed, dp_rank, step))  # clm: unchanged
         loss = engine.step(batches)
         norm = engine.clip(optimizer, cfg.grad_clip or float("inf"))
         scaler.step(optimizer)
