@@ -1,7 +1,8 @@
 """Part 2, Pretraining: one module per chapter, building on the trainer (`trainbook.train`).
 
-So far: `sweeps` (training sweeps for the scaling-law chapter of Part 1); for data and
-tokenization: `quality` (Gopher and C4 filters), `dedup` (exact and MinHash LSH), `bpe`
+So far: `lifecycle` (the stages, compute per stage, success criteria, the data stage of the
+book's tiny end-to-end run); `sweeps` (training sweeps for the scaling-law chapter of Part 1);
+for data and tokenization: `quality` (Gopher and C4 filters), `dedup` (exact and MinHash LSH), `bpe`
 (byte-level BPE from scratch), `packing` (padding waste, document masks), `mixture` (source
 weights, epochs, blending); for learning-rate schedules: `schedules` (warmup, the stability
 grid, WSD cooldowns branched from one run); for optimizers: `optimizers` (SGD, Adam, AdamW,
@@ -14,7 +15,7 @@ initialisation and hyperparameters: `init_scale` (scale by depth, the chapter's 
 for masked and denoising objectives: `objectives` (BERT masking, T5 span corruption and its
 lengths, prefix LM, UL2's denoisers, the four objectives compared on common ground).
 
-Chapter: book/compute/scaling-laws.
+Chapter: book/compute/scaling-laws; book/start/lifecycle.
 """
 
 from __future__ import annotations
