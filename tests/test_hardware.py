@@ -42,15 +42,33 @@ def test_missing_dtype_and_unknown_names_are_clear():
     ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
     ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("Tesla V100-SXM2-32GB", "v100-sxm2-32gb"),
     ("AMD Instinct MI300X", "mi300x"), ("NVIDIA B200", "b200"), ("Tesla T4", "t4"),
-    ("NVIDIA L4", "l4"), ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+    ("NVIDIA L4", "l4"), ("NVIDIA A100 80GB PCIe", "a100-80gb"), ("NVIDIA H20", "h20"),
+    ("AMD Instinct MI325X", "mi325x"), ("AMD Instinct MI355X", "mi355x"),
 ])
 def test_device_names_match(device_name, key):
     assert hardware.match_device_name(device_name).name == key
 
 
-@pytest.mark.parametrize("device_name", ["NVIDIA GeForce GT 710", "NVIDIA L40S", "NVIDIA H20"])
+@pytest.mark.parametrize("device_name", ["NVIDIA GeForce GT 710", "NVIDIA L40S", "NVIDIA H200 NVL",
+                                         "AMD Instinct MI350X"])
 def test_unknown_gpu_names_match_nothing(device_name):
     assert hardware.match_device_name(device_name) is None
+
+
+def test_newer_rows_as_their_sources_print_them():
+    """H20, MI325X, MI355X and TPU v5p/v6e: the figures the sources give, and what they lack."""
+    h20, mi325x, mi355x = (hardware.get(n) for n in ("h20", "mi325x", "mi355x"))
+    assert h20.tflops["bf16"] == 148.0 and h20.memory_gib == 96 and h20.hbm_gbps == 4000
+    assert h20.peak_flops("bf16") < 0.16 * hardware.get("h100-sxm").peak_flops("bf16")
+    assert mi325x.tflops == hardware.get("mi300x").tflops and mi325x.memory_gib == 256
+    # 8,192 FP8 FLOP/clock/CU x 256 CUs x 2.4 GHz
+    assert mi355x.peak_flops("fp8") == pytest.approx(8192 * 256 * 2.4e9, rel=1e-4)
+    assert mi355x.peak_flops("bf16") == pytest.approx(mi355x.peak_flops("fp8") / 2, rel=1e-4)
+    v5p, v6e = hardware.get("tpu-v5p"), hardware.get("tpu-v6e")
+    assert (v5p.tflops["bf16"], v6e.tflops["bf16"]) == (459.0, 918.0)
+    assert v5p.topology == v6e.topology == "torus" and (v5p.domain, v6e.domain) == (8960, 256)
+    with pytest.raises(ValueError, match="tpu-v6e has no fp8 peak; it has: bf16"):
+        v6e.peak_flops("fp8")
 
 
 def test_cpu_peak_is_measured():

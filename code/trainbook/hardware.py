@@ -13,8 +13,9 @@ rocm-smi's VRAM total), which is what a job can plan with: an "80GB" H100 report
 where the table has one, else the nominal one.
 
 The scale-up fabric: `domain` GPUs share one NVLink/NVSwitch (or Infinity Fabric) domain (8 in
-an HGX node, 72 in a GB200 NVL72 rack), linked by a switch (any pair at full rate), a direct
-mesh, or only PCIe. What a collective achieves there is not half the bidirectional figure:
+an HGX node, 72 in a GB200 NVL72 rack, a whole slice of TPUs), linked by a switch (any pair at
+full rate), a direct mesh, a torus (TPU ICI: neighbours only, 2-D or 3-D) or only PCIe. What a
+collective achieves there is not half the bidirectional figure:
 `ring_busbw_gbps` is the bus bandwidth nccl-tests reports for ring-type collectives (all-gather,
 reduce-scatter, ring all-reduce) over the whole domain, `allreduce_busbw_gbps` the all-reduce's,
 which on NVSwitch systems with NVLink SHARP (H100, H200) is NCCL's default NVLS algorithm and
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
-TOPOLOGIES = ("switch", "mesh", "pcie")
+TOPOLOGIES = ("switch", "mesh", "pcie", "torus")  # torus: TPU inter-chip interconnect (ICI)
 ASSUMED_LINK_EFFICIENCY = 0.8  # busbw / one-way link rate where nccl-tests figures are not listed
 RING_OPS = ("all_gather", "reduce_scatter", "ring_all_reduce", "all_to_all", "send")
 # Host link of a GPU: PCIe 5.0 x16, 32 GT/s x 16 lanes / 8 = 64 GB/s per direction before the
@@ -178,6 +179,13 @@ SPECS: dict[str, Accelerator] = {
              **_smi(183359),
              fabric_source="HGX B200: NVLink 5 switch; one 400 Gb/s NIC per GPU; no nccl-tests "
              "figure listed"),
+        _gpu("h20", "NVIDIA", 44.0, 74.0, 148.0, 148.0, 296.0, 96, 4000, "NVLink 4", 900,
+             "NVIDIA H20 (HGX H20, for the China market), dense; NVIDIA publishes no public "
+             "datasheet: figures as NVIDIA's partners list them (bf16 about 15% of the H100's)",
+             notes="GH100 with 78 SMs enabled; compute capped, memory and NVLink kept",
+             **_HGX, nic_gbps=50.0,
+             fabric_source="HGX H20: NVLink 4 and NVSwitch as HGX H100; no nccl-tests figure "
+             "listed"),
         _gpu("gb200-nvl72", "NVIDIA", 80.0, 1250.0, 2500.0, 2500.0, 5000.0, 186, 8000,
              "NVLink 5", 1800,
              "NVIDIA GB200 NVL72 datasheet, rack figures / 72 GPUs, dense (the sheet prints "
@@ -195,11 +203,42 @@ SPECS: dict[str, Accelerator] = {
              reported_source="rocm-smi VRAM Total Memory: 205,822,885,888 B",
              fabric_source="AMD Instinct MI300X platform: 8 GPUs fully connected by Infinity "
              "Fabric (7 links, 64 GB/s per direction each); a 400 Gb/s NIC per GPU"),
+        _gpu("mi325x", "AMD", 163.4, 653.7, 1307.4, 1307.4, 2614.9, 256, 6000,
+             "Infinity Fabric", 896,
+             "AMD Instinct MI325X datasheet, dense matrix peaks (the MI300X's CDNA 3 compute "
+             "with 256 GB of HBM3E at 6 TB/s)",
+             notes="fp32 is the matrix-core peak; 7 links x 128 GB/s",
+             domain=8, topology="mesh", nic_gbps=50.0,
+             fabric_source="AMD Instinct MI325X platform: 8 GPUs fully connected by Infinity "
+             "Fabric, as the MI300X's"),
+        _gpu("mi355x", "AMD", 157.3, None, 2516.6, 2516.6, 5033.2, 288, 8000,
+             "Infinity Fabric", 1075,
+             "AMD Instinct MI355X (CDNA 4), dense, from the ISSCC 2026 figure of 8,192 FP8 "
+             "FLOP per clock per CU x 256 CUs x 2.4 GHz (AMD's 5 PFLOPS FP8), bf16 half of "
+             "it; no tf32 matrix rate; 288 GB HBM3E at 8 TB/s",
+             notes="fp32 is the vector peak; liquid-cooled, 1.4 kW",
+             domain=8, topology="mesh", nic_gbps=50.0,
+             fabric_source="MI355X platform: 8 GPUs fully connected by 4th-generation Infinity "
+             "Fabric (7 links, about 153.6 GB/s each, bidirectional); a 400 Gb/s NIC per GPU"),
+        _gpu("tpu-v5p", "Google", None, None, 459.0, None, None, 95, 2765, "ICI", 1200,
+             "Google Cloud TPU v5p documentation, per chip: bf16 459 TFLOPS (the FP8 line is "
+             "the same 459: no faster FP8), 95 GiB HBM2e at 2,765 GB/s",
+             notes="2 TensorCores per chip; int8 918 TOPS; largest slice 6,144 chips",
+             domain=8960, topology="torus", nic_gbps=50 / 8,
+             fabric_source="Cloud TPU v5p: 3-D torus ICI, 1,200 GB/s bidirectional per chip, "
+             "8,960 chips per pod; data-center network 50 Gb/s per chip"),
+        _gpu("tpu-v6e", "Google", None, None, 918.0, None, None, 32, 1638, "ICI", 800,
+             "Google Cloud TPU v6e (Trillium) documentation, per chip: bf16 918 TFLOPS, "
+             "32 GB HBM at 1,638 GB/s",
+             notes="1 TensorCore per chip; int8 1,836 TOPS",
+             domain=256, topology="torus",
+             fabric_source="Cloud TPU v6e: 2-D torus ICI, 800 GB/s bidirectional per chip, "
+             "256 chips per pod"),
     ]
 }
 
 _NAME_PATTERNS = [  # (regex on torch.cuda.get_device_name(), spec key); first match wins
-    (r"\bH200\b", "h200"),
+    (r"\bH200\b(?! NVL)", "h200"),
     (r"\bH100 PCIe\b", "h100-pcie"),
     (r"\bH100\b", "h100-sxm"),
     (r"\bGB200\b", "gb200-nvl72"),
@@ -208,6 +247,9 @@ _NAME_PATTERNS = [  # (regex on torch.cuda.get_device_name(), spec key); first m
     (r"\bA100\b", "a100-40gb"),
     (r"\bV100\b", "v100-sxm2-32gb"),
     (r"\bMI300X\b", "mi300x"),
+    (r"\bMI325X\b", "mi325x"),
+    (r"\bMI355X\b", "mi355x"),
+    (r"\bH20\b", "h20"),
     (r"\bT4\b", "t4"),
     (r"\bL4\b", "l4"),  # not L40 or L40S
 ]
