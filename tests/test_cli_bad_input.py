@@ -257,7 +257,8 @@ CONFIGS = {"missing": "missing/config.json", "malformed": "bad/config.json",
            "empty-file": "blank/config.json"}
 CONFIG_FILES = {"bad/config.json": b'{"model_type": "llama", ', "list/config.json": b"[1, 2]",
                 "empty/config.json": b"{}", "binary/config.json": b"\xff\xfe\x00\x81",
-                "blank/config.json": b""}
+                "blank/config.json": b"", "latin1.txt": "caf\xe9\n".encode("latin-1"),
+                "notjson/tokenizer.json": b"{not json"}
 
 # Combinations each option allows alone but not together, and inputs only the command knows.
 EXTRA = [
@@ -280,6 +281,11 @@ EXTRA = [
     ("train", "kv-heads-not-dividing", ["train", "--n-heads", "4", "--n-kv-heads", "3"], ("3",)),
     ("train", "tp-without-ranks", ["train", "--tp", "4"], ("4",)),
     ("train", "resume-without-ckpt-dir", ["train", "--resume"], ("ckpt_dir", "--ckpt-dir")),
+    ("train", "corpus-not-utf8", ["train", "--corpus", "latin1.txt"], ("latin1.txt",)),
+    ("train", "corpus-a-folder", ["train", "--corpus", "folder.json"], ("folder.json",)),
+    ("train", "tokenizer-not-json", ["train", "--tokenizer", "notjson/tokenizer.json"],
+     ("notjson/tokenizer.json",)),
+    ("train", "warmup-past-a-short-run", ["train", "--steps", "6"], ("--warmup-steps",)),
     ("collectives", "payload-backwards", ["collectives", "--payload-range", "1MiB", "1KiB"],
      ("1MiB", "payload range")),
     ("cost", "both-mtbf", ["cost", "--model", "llama-3-8b", "--tokens", "15T",

@@ -108,7 +108,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], "
-                             f"got {self.warmup_steps}")
+                             f"got {self.warmup_steps}: set --warmup-steps to at most "
+                             f"{self.steps} (e.g. {self.steps // 10}, a tenth of the run)")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"need lr > 0 and min_lr_ratio in [0, 1], "
                              f"got {self.lr}, {self.min_lr_ratio}")
