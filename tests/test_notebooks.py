@@ -43,7 +43,8 @@ def test_cache_key_follows_what_the_notebooks_run(tmp_path, monkeypatch):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     before = nbcache.fingerprint(tmp_path)
-    for rel in ("book/ch.ipynb", "book/ch.md", "code/trainbook/__pycache__/x.cpython-311.pyc",
+    for rel in ("book/ch.ipynb", "book/ch.md", "book/references.bib",
+                "code/trainbook/__pycache__/x.cpython-311.pyc",
                 "code/.ruff_cache/0.17/123", "book/.ipynb_checkpoints/ch.ipynb"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("changed")

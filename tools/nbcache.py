@@ -13,10 +13,11 @@ What may be reused is decided in two steps:
   cell makes the notebook run again; a changed Markdown cell does not.
 * the cache folder, `_build/.jupyter_cache/<key>`, is chosen by what jupyter-cache cannot see: the
   package (every file under code/), the files beside the notebooks that they may read (book/, other
-  than .ipynb and .md), the pinned environment (requirements.txt, the Python and torch versions),
-  and how the notebooks run here (device, nb.pick_size()'s size, TRAINBOOK_SLOW_LOWP). Editing the
-  package or changing those variables selects another folder, so outputs of other code or of another
-  setting are never served, and nothing needs clearing by hand. The newest few folders are kept.
+  than .ipynb, .md and .bib), the pinned environment (requirements.txt, the Python and torch
+  versions), and how the notebooks run here (device, nb.pick_size()'s size, TRAINBOOK_SLOW_LOWP).
+  Editing the package or changing those variables selects another folder, so outputs of other code
+  or of another setting are never served, and nothing needs clearing by hand. The newest few folders
+  are kept.
 
     python tools/nbcache.py times    # per-notebook execution times stored in the caches
     python tools/nbcache.py where    # the cache folder a run from this shell would use
@@ -40,10 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHES = ROOT / "_build" / ".jupyter_cache"
 KEEP = 4  # cache folders kept (the newest by use); older ones are deleted
 # What the notebooks run besides their code cells: the package, the files beside the notebooks
-# (data they may read; not the notebooks and pages themselves) and the pinned environment.
+# (data they may read; not the notebooks, pages and bibliography themselves) and the pinned
+# environment.
 HASHED = (
     ("code", ("__pycache__", ".egg-info", "build", ".pyc")),
-    ("book", (".ipynb", ".md", ".ipynb_checkpoints", "_build")),
+    ("book", (".ipynb", ".md", ".bib", ".ipynb_checkpoints", "_build")),
     ("requirements.txt", ()),
 )
 
