@@ -97,7 +97,7 @@ def class_seconds(events: list, use_device: bool) -> tuple[dict[str, float], lis
 
 
 @contextmanager
-def _quiet_profiler_lines() -> Iterator[None]:
+def quiet_profiler_lines() -> Iterator[None]:
     """Kineto writes a line to the process's stderr (fd 2) when tracing starts and stops
     ("USDT: ... profiler_start"); a notebook build treats stderr as an error. Hold fd 2 in a
     file meanwhile and pass on every other line."""
@@ -157,14 +157,14 @@ def profile_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
         times.append(time.perf_counter() - t0)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     prof = profile(activities=activities)
-    with _quiet_profiler_lines():
+    with quiet_profiler_lines():
         prof.start()
     t0 = time.perf_counter()
     for _ in range(steps):
         step(model, optimizer, x, y)
     sync()
     wall = time.perf_counter() - t0
-    with _quiet_profiler_lines():
+    with quiet_profiler_lines():
         prof.stop()
     path = Path(trace_path) if trace_path is not None else default_trace_path()
     path.parent.mkdir(parents=True, exist_ok=True)
