@@ -33,6 +33,9 @@ def test_missing_dtype_and_unknown_names_are_clear():
         hardware.get("v100-sxm2-32gb").peak_flops("bf16")
     with pytest.raises(ValueError, match="unknown accelerator 'h1000'"):
         hardware.get("h1000")
+    assert hardware.get(hardware.SPECS["h200"]) is hardware.SPECS["h200"]  # a spec passes through
+    with pytest.raises(ValueError, match="a name or an entry of hardware.SPECS"):
+        hardware.get(8)
     with pytest.raises(ValueError, match="unknown dtype"):
         hardware.normalize_dtype("int3")
 

@@ -122,6 +122,7 @@ _NCCL_TESTS = ("nccl-tests all_reduce_perf / all_gather_perf busbw at >= 1 GB on
                "node, as operators report it (e.g. 8x H100 SXM all-reduce 460-480 GB/s, 8x A100 "
                "SXM4 230-250 GB/s: Alaya NeW, 'NCCL-tests in practice', 2026)")
 _HGX = dict(domain=8, topology="switch")
+_OAM_MESH = dict(domain=8, topology="mesh", nic_gbps=50.0)  # AMD 8-GPU platforms, a NIC per GPU
 
 
 def _smi(mib: int) -> dict:
@@ -198,7 +199,7 @@ SPECS: dict[str, Accelerator] = {
              "Infinity Fabric", 896,
              "AMD Instinct MI300X datasheet, dense matrix peaks (sparse numbers are 2x)",
              notes="fp32 is the matrix-core peak; 7 links x 128 GB/s",
-             domain=8, topology="mesh", nic_gbps=50.0,
+             **_OAM_MESH,
              reported_gib=205_822_885_888 / 2**30,
              reported_source="rocm-smi VRAM Total Memory: 205,822,885,888 B",
              fabric_source="AMD Instinct MI300X platform: 8 GPUs fully connected by Infinity "
@@ -208,7 +209,7 @@ SPECS: dict[str, Accelerator] = {
              "AMD Instinct MI325X datasheet, dense matrix peaks (the MI300X's CDNA 3 compute "
              "with 256 GB of HBM3E at 6 TB/s)",
              notes="fp32 is the matrix-core peak; 7 links x 128 GB/s",
-             domain=8, topology="mesh", nic_gbps=50.0,
+             **_OAM_MESH,
              fabric_source="AMD Instinct MI325X platform: 8 GPUs fully connected by Infinity "
              "Fabric, as the MI300X's"),
         _gpu("mi355x", "AMD", 157.3, None, 2516.6, 2516.6, 5033.2, 288, 8000,
@@ -217,7 +218,7 @@ SPECS: dict[str, Accelerator] = {
              "FLOP per clock per CU x 256 CUs x 2.4 GHz (AMD's 5 PFLOPS FP8), bf16 half of "
              "it; no tf32 matrix rate; 288 GB HBM3E at 8 TB/s",
              notes="fp32 is the vector peak; liquid-cooled, 1.4 kW",
-             domain=8, topology="mesh", nic_gbps=50.0,
+             **_OAM_MESH,
              fabric_source="MI355X platform: 8 GPUs fully connected by 4th-generation Infinity "
              "Fabric (7 links, about 153.6 GB/s each, bidirectional); a 400 Gb/s NIC per GPU"),
         _gpu("tpu-v5p", "Google", None, None, 459.0, None, None, 95, 2765, "ICI", 1200,
@@ -271,8 +272,14 @@ def normalize_dtype(dtype: str | torch.dtype) -> str:
     return _DTYPE_ALIASES[key]
 
 
-def get(name: str) -> Accelerator:
-    """Look up a spec by name ('h100-sxm', 'a100-80gb', ...)."""
+def get(name: str | Accelerator) -> Accelerator:
+    """Look up a spec by name ('h100-sxm', 'a100-80gb', ...); a spec passes through, so every
+    function that takes an accelerator accepts either."""
+    if isinstance(name, Accelerator):
+        return name
+    if not isinstance(name, str):
+        raise ValueError(f"an accelerator is a name or an entry of hardware.SPECS, got "
+                         f"{name!r}; known: {', '.join(SPECS)}")
     key = name.lower()
     if key not in SPECS:
         raise ValueError(f"unknown accelerator {name!r}; known: {', '.join(SPECS)}")

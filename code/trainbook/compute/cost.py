@@ -70,10 +70,6 @@ def _check_gpus(gpus: int) -> int:
     return gpus
 
 
-def _accelerator(gpu: str | hardware.Accelerator) -> hardware.Accelerator:
-    return gpu if isinstance(gpu, hardware.Accelerator) else hardware.get(gpu)
-
-
 def flops_per_token(cfg: configs.ModelConfig, seq_len: int | None = None,
                     mode: str = "6n+attn") -> float:
     """Training FLOPs per token: '6n+attn' (PaLM's 6N + 12LHQT, trainbook.compute.flops) or
@@ -134,7 +130,7 @@ def estimate(model: str | Path | configs.ModelConfig, tokens: str | float,
     """Time and cost of training `model` on `tokens` tokens with `gpus` GPUs at `mfu`."""
     cfg = configs.resolve(model)
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
-    acc = _accelerator(gpu)
+    acc = hardware.get(gpu)
     peak = acc.peak_flops(dtype)
     flops = run_flops(cfg, tokens, seq_len, flop_mode)
     seconds = compute_seconds(flops, gpus, peak, mfu)
@@ -156,7 +152,7 @@ def implied_mfu(model: str | Path | configs.ModelConfig, tokens: str | float, gp
     stragglers), so this is a lower bound on the MFU of its steady-state steps."""
     _positive("GPU-hours", gpu_hours)
     flops = run_flops(model, tokens, seq_len, flop_mode)
-    return utilization(flops, gpu_hours * 3600, _accelerator(gpu).peak_flops(dtype))
+    return utilization(flops, gpu_hours * 3600, hardware.get(gpu).peak_flops(dtype))
 
 
 # --- goodput: checkpoints and failures -------------------------------------------------------

@@ -60,14 +60,6 @@ def _config(cfg: configs.ModelConfig) -> configs.ModelConfig:
     return cfg
 
 
-def _accel(accel: hardware.Accelerator | str) -> hardware.Accelerator:
-    if isinstance(accel, str):
-        return hardware.get(accel)
-    if not isinstance(accel, hardware.Accelerator):
-        raise ValueError(f"accel must be a name or an entry of hardware.SPECS, got {accel!r}")
-    return accel
-
-
 def _ranks(name: str, n: int, accel: hardware.Accelerator, over: str) -> int:
     if isinstance(n, bool) or not isinstance(n, Integral) or n < 1:
         raise ValueError(f"{name} must be a whole number >= 1, got {n!r}")
@@ -82,13 +74,13 @@ def achieved_flops(accel: hardware.Accelerator | str, mfu: float = 0.5,
     """F in FLOP/s: the table's dense peak times the fraction the matmuls reach (the MFU)."""
     if isinstance(mfu, bool) or not isinstance(mfu, Real) or not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1] (0.5: half the dense peak), got {mfu!r}")
-    return _accel(accel).peak_flops(dtype) * mfu
+    return hardware.get(accel).peak_flops(dtype) * mfu
 
 
 def bandwidth(accel: hardware.Accelerator | str, op: str, over: str = "domain") -> float:
     """W in bytes/s for collective `op`: the table's bus bandwidth inside the scale-up domain
     (NVLink), or the NIC per GPU across it, so every threshold reads the same figures."""
-    accel = _accel(accel)
+    accel = hardware.get(accel)
     if over not in OVER:
         raise ValueError(f"over must be 'domain' (NVLink, inside a node) or 'nic' (across "
                          f"nodes), got {over!r}")
@@ -135,7 +127,7 @@ def fsdp_min_tokens(cfg: configs.ModelConfig, accel: hardware.Accelerator | str,
                     reduce_dtype: str = "bf16", seq_len: int | None = None) -> float:
     """Tokens per GPU per micro-batch above which a block's FSDP all-gathers and reduce-scatter
     hide behind its forward and backward: below it, the link is what a step waits for."""
-    accel = _accel(accel)
+    accel = hardware.get(accel)
     ag, rs = _fsdp_collectives(cfg, accel, n, over, dtype, reduce_dtype)
     fwd, bwd = _block_flops(cfg, seq_len)
     return achieved_flops(accel, mfu, dtype) * max(ag / fwd, (ag + rs) / bwd)
@@ -150,7 +142,7 @@ def fsdp_step(cfg: configs.ModelConfig, accel: hardware.Accelerator | str, n: in
     if isinstance(tokens_per_gpu, bool) or not isinstance(tokens_per_gpu, Real) \
             or tokens_per_gpu <= 0:
         raise ValueError(f"tokens_per_gpu must be positive, got {tokens_per_gpu!r}")
-    accel = _accel(accel)
+    accel = hardware.get(accel)
     ag, rs = _fsdp_collectives(cfg, accel, n, over, dtype, reduce_dtype, alpha_s)
     F = achieved_flops(accel, mfu, dtype)
     fwd, bwd = (f * tokens_per_gpu / F for f in _block_flops(cfg, None))
@@ -164,7 +156,7 @@ def dp_min_tokens(cfg: configs.ModelConfig, accel: hardware.Accelerator | str, n
                   grad_dtype: str = "bf16", seq_len: int | None = None) -> float:
     """Tokens per GPU in the micro-batch that carries DDP's all-reduce (the last one under
     no_sync) above which the gradient all-reduce hides behind that backward."""
-    accel = _accel(accel)
+    accel = hardware.get(accel)
     stored, _ = block_params(cfg)
     t = collective_time("all_reduce", _ranks("n", n, accel, over),
                         stored * bytes_per_element(grad_dtype), 0.0,
@@ -190,7 +182,7 @@ def tp_ratio(cfg: configs.ModelConfig, accel: hardware.Accelerator | str, t: int
              sequence_parallel: bool = False, seq_len: int | None = None) -> float:
     """Communication over compute time of one block under Megatron TP of degree t; the tokens
     cancel, so only the shape (h, P) and the hardware decide whether TP can hide at all."""
-    accel = _accel(accel)
+    accel = hardware.get(accel)
     t = _ranks("t", t, accel, over)
     act = _config(cfg).d_model * bytes_per_element(dtype)  # bytes of one token's activation
     if sequence_parallel:  # the all-reduce's bytes as an all-gather plus a reduce-scatter

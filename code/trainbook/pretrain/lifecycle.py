@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .. import configs
+from .. import configs, hardware
 from ..compute import cost, flops
 from . import dedup, quality
 
@@ -96,12 +96,11 @@ def plan_compute(model: str | configs.ModelConfig, stages: Mapping[str, StageWor
     per_train = flops.training_flops_per_token(cfg, seq_len)
     per_token = {"train": per_train, "forward": per_train / 3,
                  "preference": per_train * 4 / 3}
+    peak = hardware.get(gpu).peak_flops(dtype)
     rows = []
     for name, work in stages.items():
         total = work.tokens * per_token[work.kind]
-        est = cost.estimate(cfg, max(work.tokens, 1.0), gpu=gpu, gpus=gpus, mfu=mfu,
-                            dtype=dtype, seq_len=seq_len)
-        seconds = est.seconds * total / est.flops if est.flops else 0.0
+        seconds = cost.compute_seconds(total, gpus, peak, mfu)
         rows.append({"stage": name, "tokens": work.tokens, "kind": work.kind, "FLOPs": total,
                      "GPU-hours": seconds * gpus / 3600, "days": seconds / 86400})
     table = pd.DataFrame(rows).set_index("stage")
