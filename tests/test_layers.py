@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "code" / "trainbook"
 
 LAYERS = {  # top-level name under trainbook -> layer
     "__init__": 0, "configs": 0, "model": 0, "data": 0, "hardware": 0, "datasets": 0,
-    "corpus": 0, "report": 0, "launch": 0, "layout": 0, "compat": 0,
+    "corpus": 0, "report": 0, "launch": 0, "layout": 0, "compat": 0, "formats": 0,
     "compute": 1,
     "bench": 2,
     "train": 3,
@@ -24,7 +24,9 @@ LAYERS = {  # top-level name under trainbook -> layer
     "frontier": 4,
     "commands": 5, "nb": 5, "__main__": 5,
 }
-PART_DEPS: dict[str, set[str]] = {}  # part -> the other parts it may import (none yet)
+PART_DEPS: dict[str, set[str]] = {  # part -> the other parts it may import
+    "stability": {"precision", "pretrain"},
+}
 
 
 def module_name(path: Path) -> str:

@@ -36,6 +36,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     n_experts: int = 1  # > 1: mixture-of-experts MLP
     top_k: int = 1  # experts per token
+    qk_norm: bool = False  # normalise q and k per head before attention (Qwen3, OLMo 2, ViT-22B)
+    embed_scale: float = 1.0  # multiplier on the token embeddings (Gemma: sqrt(d_model))
     # which of n_kv_heads, d_ff, head_dim were left to their defaults (and so follow `with_`)
     _derived: frozenset = field(init=False, repr=False, compare=False, default=frozenset())
 
@@ -68,6 +70,8 @@ class ModelConfig:
         need(self.top_k <= self.n_experts,
              f"top_k {self.top_k} is larger than the number of experts {self.n_experts}")
         need(self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
+        need(isinstance(self.embed_scale, (int, float)) and 0 < self.embed_scale < float("inf"),
+             f"embed_scale must be a positive number, got {self.embed_scale!r}")
         if self.flavour == "gpt2":
             need(kv_heads == self.n_heads, "the gpt2 flavour has no grouped-query attention; "
                  "set n_kv_heads to n_heads or use the llama flavour")
@@ -128,6 +132,8 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     router = d * cfg.n_experts if cfg.is_moe else 0
     mlp = cfg.n_experts * expert + router
 
+    if cfg.qk_norm:  # one norm over head_dim for q and one for k, shared by the heads
+        attn += 2 * (2 * hd if gpt2 else hd)
     counts = {
         "embedding": cfg.vocab_size * d,
         "position": cfg.max_seq_len * d if gpt2 else 0,
@@ -199,7 +205,7 @@ def get(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
-_HF_TYPES = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
+_HF_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gpt2")
 
 
 def from_hf_config(source: str | Path | dict, name: str | None = None) -> ModelConfig:
@@ -248,6 +254,7 @@ def from_hf_config(source: str | Path | dict, name: str | None = None) -> ModelC
         norm_eps=field("rms_norm_eps", default=1e-5),
         rope_theta=float(field("rope_theta", default=1e4)),
         n_experts=hf.get("num_local_experts") or 1, top_k=hf.get("num_experts_per_tok") or 1,
+        qk_norm=kind == "qwen3",
     )
 
 

@@ -58,6 +58,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    """The flavour's normalisation over `dim` features: LayerNorm (gpt2) or RMSNorm (llama)."""
+    return nn.LayerNorm(dim, eps=cfg.norm_eps) if cfg.flavour == "gpt2" \
+        else RMSNorm(dim, cfg.norm_eps)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -68,6 +74,9 @@ class Attention(nn.Module):
         self.k = nn.Linear(d, kv * hd, bias=gpt2 or cfg.qkv_bias)
         self.v = nn.Linear(d, kv * hd, bias=gpt2 or cfg.qkv_bias)
         self.o = nn.Linear(h * hd, d, bias=gpt2)
+        # QK-norm (Dehghani et al. 2023; Wortsman et al. 2023): bounds the attention logits
+        self.q_norm = make_norm(cfg, hd) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, hd) if cfg.qk_norm else None
         self.softmax_scale: float | None = None  # None: 1/sqrt(head_dim); muP uses 1/head_dim
 
     def forward(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
@@ -77,6 +86,8 @@ class Attention(nn.Module):
         q = self.q(x).view(B, T, -1, hd).transpose(1, 2)  # (B, n_heads, T, hd)
         k = self.k(x).view(B, T, -1, hd).transpose(1, 2)  # (B, kv_heads, T, hd)
         v = self.v(x).view(B, T, -1, hd).transpose(1, 2)  # (B, kv_heads, T, hd)
+        if self.q_norm is not None:  # per head, before the rotation (as Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         y = self.core(q, k, v)  # (B, n_heads, T, hd)
@@ -136,23 +147,33 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        norm = (lambda: nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)) if cfg.flavour == "gpt2" \
-            else (lambda: RMSNorm(cfg.d_model, cfg.norm_eps))
-        self.attn_norm, self.attn = norm(), Attention(cfg)
-        self.mlp_norm, self.mlp = norm(), (MoE(cfg) if cfg.is_moe else MLP(cfg))
+        self.attn_norm, self.attn = make_norm(cfg, cfg.d_model), Attention(cfg)
+        self.mlp_norm = make_norm(cfg, cfg.d_model)
+        self.mlp = MoE(cfg) if cfg.is_moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
         return x + self.mlp(self.mlp_norm(x))
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
+            z_loss: float = 0.0) -> torch.Tensor:
     """Next-token cross-entropy in fp32: logits (batch, time, vocab), targets (batch, time).
 
     The one loss of the reference model: the trainer, the pipeline schedules and every Part 5
-    technique use it (tensor parallelism has a vocabulary-parallel version that equals it)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                           reduction=reduction)
+    technique use it (tensor parallelism has a vocabulary-parallel version that equals it).
+    `z_loss` > 0 adds PaLM's z_loss * log^2 Z per counted token (Z the softmax normaliser),
+    which keeps the output logits from drifting (Part 2's loss chapter derives it)."""
+    flat = logits.float().reshape(-1, logits.size(-1))
+    loss = F.cross_entropy(flat, targets.reshape(-1), reduction=reduction)
+    if not z_loss:
+        return loss
+    counted = (targets.reshape(-1) != -100).float()  # F.cross_entropy's ignore_index
+    z = flat.logsumexp(-1).pow(2) * counted
+    if reduction == "none":
+        return loss + z_loss * z
+    z = z.sum() / counted.sum() if reduction == "mean" else z.sum()
+    return loss + z_loss * z
 
 
 class Transformer(nn.Module):
@@ -164,8 +185,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.flavour == "gpt2" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.flavour == "gpt2" \
-            else RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = make_norm(cfg, cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied:
             self.head.weight = self.embed.weight
@@ -175,6 +195,7 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
+        self.z_loss = 0.0  # the trainer's --z-loss: PaLM's coefficient, in training mode only
         self.reset_parameters()
 
     @torch.no_grad()
@@ -196,6 +217,8 @@ class Transformer(nn.Module):
         parallelism passes its shard's. Learned positions (gpt2) are added here, rotary ones
         (llama) are returned as (cos, sin) rows for the blocks' attention to apply."""
         x = self.embed(idx)  # (B, T, d)
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
         if self.pos is not None:
             x = x + self.pos(positions if positions is not None
                              else torch.arange(idx.shape[1], device=idx.device))
@@ -234,7 +257,9 @@ class Transformer(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = self.trunk(idx, positions)
-        return logits, (None if targets is None else lm_loss(logits, targets))
+        if targets is None:
+            return logits, None
+        return logits, lm_loss(logits, targets, z_loss=self.z_loss if self.training else 0.0)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

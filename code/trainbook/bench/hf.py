@@ -86,12 +86,18 @@ def check_supported(cfg: ModelConfig) -> None:
         raise ValueError(f"{cfg.name}: mixture of experts has no GPT-2/Llama equivalent here")
     if cfg.qkv_bias:  # LlamaConfig.attention_bias would put a bias on o_proj too
         raise ValueError(f"{cfg.name}: q/k/v-only biases (Qwen2) have no Llama equivalent")
+    if cfg.embed_scale != 1.0:
+        raise ValueError(f"{cfg.name}: embed_scale {cfg.embed_scale:g} has no GPT-2/Llama/Qwen3 "
+                         "equivalent; compare with embed_scale 1")
+    if cfg.qk_norm and cfg.flavour == "gpt2":
+        raise ValueError(f"{cfg.name}: GPT-2 has no QK-norm; use the llama flavour (Qwen3)")
     if cfg.flavour == "llama" and cfg.d_model % cfg.n_heads:
         raise ValueError(f"{cfg.name}: transformers' Llama needs d_model divisible by n_heads")
 
 
 def hf_config(cfg: ModelConfig) -> Any:
-    """A transformers GPT2Config or LlamaConfig with exactly this architecture.
+    """A transformers GPT2Config, LlamaConfig or (with QK-norm) Qwen3Config with exactly this
+    architecture.
 
     Every field that changes the function is set rather than left to a library default, dropout
     is 0 (ours has none), and use_cache is off: a KV cache is for generation and only costs time
@@ -108,12 +114,15 @@ def hf_config(cfg: ModelConfig) -> Any:
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=cfg.norm_eps,
             scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
             reorder_and_upcast_attn=False, **common)
-    return tf.LlamaConfig(
+    llama = dict(
         hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
         hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        attention_bias=False, attention_dropout=0.0, mlp_bias=False, pretraining_tp=1, **common)
+        attention_bias=False, attention_dropout=0.0, **common)
+    if cfg.qk_norm:  # Qwen3: Llama with an RMSNorm over head_dim on q and k, before RoPE
+        return tf.Qwen3Config(use_sliding_window=False, **llama)
+    return tf.LlamaConfig(mlp_bias=False, pretraining_tp=1, **llama)
 
 
 def _hf_weights(model: Transformer) -> dict[str, torch.Tensor]:
@@ -147,6 +156,9 @@ def _hf_weights(model: Transformer) -> dict[str, torch.Tensor]:
                 out[p + f"self_attn.{n}_proj.weight"] = getattr(b.attn, n).weight
             for n in ("gate", "up", "down"):
                 out[p + f"mlp.{n}_proj.weight"] = getattr(b.mlp, n).weight
+            if cfg.qk_norm:
+                out[p + "self_attn.q_norm.weight"] = b.attn.q_norm.weight
+                out[p + "self_attn.k_norm.weight"] = b.attn.k_norm.weight
             out[p + "input_layernorm.weight"] = b.attn_norm.weight
             out[p + "post_attention_layernorm.weight"] = b.mlp_norm.weight
         out["model.norm.weight"] = model.norm.weight
@@ -160,7 +172,8 @@ def to_hf(model: Transformer) -> torch.nn.Module:
     and dtype, in train mode: the same function, in the library's code."""
     tf = require_transformers()
     cfg = model.cfg
-    cls = tf.GPT2LMHeadModel if cfg.flavour == "gpt2" else tf.LlamaForCausalLM
+    cls = tf.GPT2LMHeadModel if cfg.flavour == "gpt2" else \
+        tf.Qwen3ForCausalLM if cfg.qk_norm else tf.LlamaForCausalLM
     ref = next(model.parameters())
     hf = cls(hf_config(cfg)).to(device=ref.device, dtype=ref.dtype)
     hf.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name names no loss: set its fallback, unwarned

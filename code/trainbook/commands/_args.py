@@ -75,7 +75,7 @@ def check_model_file(text: str) -> None:
                          "Face config.json (UTF-8 JSON)") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"{str(path)!r} is not a Hugging Face config.json: expected a JSON "
-                         "object with a model_type (llama, mistral, mixtral, qwen2 or gpt2)")
+                         "object with a model_type (llama, mistral, mixtral, qwen2, qwen3 or gpt2)")
 
 
 def check_writable(path: str | None, option: str, folder: bool = False) -> None:

@@ -112,6 +112,7 @@ class TPAttention(Attention):
         nn.Module.__init__(self)  # the layers come from `attn`, sliced, not freshly made
         self.cfg, self.comm = attn.cfg, comm
         self.softmax_scale = attn.softmax_scale  # a muP-scaled model keeps its scale under TP
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm  # per head: whole heads per rank
         self.q, self.k, self.v = (ColumnParallelLinear(m, comm) for m in (attn.q, attn.k, attn.v))
         self.o = RowParallelLinear(attn.o, comm)
 

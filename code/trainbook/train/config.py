@@ -17,6 +17,8 @@ from pathlib import Path
 
 from .. import configs
 from ..layout import PP_SCHEDULES, RECOMPUTE, Layout, check_layout
+from .emulate import RECIPES
+from .monitor import make_monitors
 from .objective import special_tokens
 from .parallelize import VIRTUAL
 
@@ -26,6 +28,26 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion", "muon")
 SCHEDULES = ("cosine", "wsd", "linear", "constant")
 DECAY_SHAPES = ("1-sqrt", "linear")  # the shapes of WSD's final decay (train/schedule.py)
 INITS = ("scaled", "standard", "mup")
+DTYPES = ("fp32", "bf16", "fp16", "fp8-emulated")
+
+
+def parse_skips(text: str) -> list[tuple[int, int]]:
+    """'120-180,300-320' -> [(120, 180), (300, 320)]: 1-based step ranges, inclusive, whose
+    batches are skipped (PaLM's recipe after a spike); '' -> []."""
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        first, sep, last = part.partition("-")
+        try:
+            a, b = int(first), int(last if sep else first)
+        except ValueError:
+            raise ValueError(f"skip_batches: {part!r} is not a step range; write FIRST-LAST, "
+                             "e.g. 120-180 (comma-separated for several)") from None
+        if not 1 <= a <= b:
+            raise ValueError(f"skip_batches: {part!r} must have 1 <= FIRST <= LAST")
+        if out and a <= out[-1][1]:
+            raise ValueError(f"skip_batches: ranges must be in order and not overlap, got {text!r}")
+        out.append((a, b))
+    return out
 
 
 def decay_start(steps: int, decay_frac: float) -> int:
@@ -71,7 +93,21 @@ class TrainConfig:
     beta1: float = _opt(0.9, "AdamW beta1")
     beta2: float = _opt(0.95, "AdamW beta2")
     grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: off)")
-    dtype: str = _opt("fp32", "autocast dtype: fp32 (off), bf16, or fp16 (with loss scaling)")
+    dtype: str = _opt("fp32", "autocast dtype: fp32 (off), bf16, fp16 (with loss scaling), or "
+                              "fp8-emulated (the blocks' linear layers with FP8 numerics, "
+                              "emulated in fp32: --fp8-recipe)")
+    fp8_recipe: str = _opt("tensorwise", "fp8-emulated: how operands are scaled: "
+                                         + ", ".join(RECIPES))
+    qk_norm: bool = _opt(False, "normalise queries and keys per head (QK-norm): bounds the "
+                                "attention logits")
+    z_loss: float = _opt(0.0, "PaLM's z-loss coefficient (1e-4 in PaLM): keeps the output "
+                              "logits' normaliser near 1")
+    embed_scale: float = _opt(1.0, "multiply the token embeddings by this (Gemma: "
+                                   "sqrt(d_model))")
+    monitor: str = _opt("", "monitors, comma-separated: spikes (loss and update-norm z-scores), "
+                            "nan (stop at the first inf/NaN and name the module)")
+    skip_batches: str = _opt("", "step ranges whose batches are never trained on, e.g. 120-180 "
+                                 "(PaLM's restart-and-skip after a spike)")
     seed: int = _opt(0, "seed for initialisation and data order")
     device: str = _opt("auto", "'auto', 'cpu', 'cuda' (under torchrun: cuda:LOCAL_RANK)")
     compile: bool = _opt(False, "torch.compile the model")
@@ -130,8 +166,17 @@ class TrainConfig:
             raise ValueError(f"wsd: {self.warmup_steps} warmup steps and a decay over the last "
                              f"{self.decay_frac:g} of {self.steps} steps do not fit in "
                              f"{self.steps} steps; lower warmup_steps or decay_frac")
-        if self.dtype not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.fp8_recipe not in RECIPES:
+            raise ValueError(f"fp8_recipe must be one of {', '.join(RECIPES)}, "
+                             f"got {self.fp8_recipe!r}")
+        if not self.z_loss >= 0 or self.z_loss == float("inf"):
+            raise ValueError(f"z_loss must be >= 0 (PaLM: 1e-4), got {self.z_loss}")
+        if not 0 < self.embed_scale < float("inf"):
+            raise ValueError(f"embed_scale must be positive, got {self.embed_scale}")
+        make_monitors(self.monitor)
+        parse_skips(self.skip_batches)
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError("grad_clip and weight_decay must be >= 0")
         for name in ("log_every", "eval_every", "ckpt_every"):
@@ -160,6 +205,10 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> configs.ModelConfig:
     sizes = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
     overrides = {k: getattr(cfg, k) for k in sizes
                  if getattr(cfg, k) is not None}
+    if cfg.qk_norm:
+        overrides["qk_norm"] = True
+    if cfg.embed_scale != 1.0:
+        overrides["embed_scale"] = cfg.embed_scale
     base = configs.resolve(cfg.model)
     vocab_size += special_tokens(cfg.objective, cfg.seq_len)  # [MASK], sentinels: on top
     return base.with_(vocab_size=vocab_size, max_seq_len=cfg.seq_len, **overrides)
@@ -235,6 +284,16 @@ def layout_for(cfg: TrainConfig, world: int, mcfg: configs.ModelConfig) -> Layou
                          "stages do not all see); use --objective clm with FSDP, TP or PP")
     if composed and cfg.compile:
         raise ValueError("--compile is wired for one process and DDP only")
+    whole = {"--dtype fp8-emulated": cfg.dtype == "fp8-emulated",
+             "--monitor nan": "nan" in cfg.monitor}
+    for option, used in whole.items():
+        if composed and used:
+            raise ValueError(f"{option} is wired for one process and DDP only; drop it, or "
+                             "train without FSDP, TP or PP")
+    for option, used in (("--z-loss", bool(cfg.z_loss)), ("--qk-norm", mcfg.qk_norm)):
+        if used and (lay.tp > 1 or lay.pp > 1):
+            raise ValueError(f"{option} is wired for one process, DDP and FSDP; drop it, or "
+                             "train without TP and PP")
     if lay.gpus != world:
         raise ValueError(f"layout {lay.short()} needs {lay.gpus} ranks but {world} were "
                          f"started: use torchrun --nproc_per_node {lay.gpus}, or change the layout")

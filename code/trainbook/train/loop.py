@@ -6,7 +6,9 @@ training objective (`objective`), gradient clipping, gradient accumulation, opti
 (bf16, or fp16 with a GradScaler), logging of loss, tokens/s and MFU, and checkpoints that
 resume bit for bit (model, optimizer, scaler, step, RNG, data position), written atomically
 and loaded with `weights_only=True`. One process on CPU or GPU, or several under `torchrun`
-with DistributedDataParallel.
+with DistributedDataParallel. Hooks (`hooks`) watch or change a run from outside the loop; the
+monitors of `--monitor` are hooks, and `--dtype fp8-emulated` swaps the blocks' linear layers
+(`emulate`) before the optimizer is built.
 
 Chapter: book/start/first-run.
 """
@@ -42,8 +44,11 @@ from .checkpoint import (
     save_sharded,
     set_rng_state,
 )
-from .config import TrainConfig, layout_for, model_config, read_layout
+from .config import TrainConfig, layout_for, model_config, parse_skips, read_layout
+from .emulate import convert_linears, recipe
 from .engine import Composed, Plain, global_loss
+from .hooks import Hook, StepContext, call
+from .monitor import make_monitors
 from .init import init_weights
 from .objective import objective_batches, prepare_model
 from .optim import make_optimizer
@@ -79,7 +84,9 @@ def init_distributed(device_type: str, timeout_s: int) -> Distributed:
 
 def peak_dtype(cfg: TrainConfig, device: torch.device) -> str:
     """The dtype whose peak MFU is measured against: the autocast dtype, or tf32 for fp32 on
-    GPUs with it on."""
+    GPUs with it on; fp32 for fp8-emulated, whose matmuls are fp32 ones."""
+    if cfg.dtype == "fp8-emulated":  # its matmuls run in fp32 (emulated FP8 has no peak)
+        return "fp32"
     if cfg.dtype != "fp32":
         return cfg.dtype
     if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
@@ -102,13 +109,15 @@ class TrainResult:
     val_loss: float | None
     world_size: int = 1
     layout: Layout | None = None
+    stopped: str | None = None  # why a hook ended the run early (None: it ran to the end)
 
     def losses(self) -> list[float]:
         return [r["loss"] for r in self.history]
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Train the reference model as configured; returns history and model (see TrainResult)."""
+def train(cfg: TrainConfig, hooks: list[Hook] | tuple[Hook, ...] = ()) -> TrainResult:
+    """Train the reference model as configured; returns history and model (see TrainResult).
+    `hooks` run after the configured monitors, in order (`trainbook.train.hooks`)."""
     gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     ddp = init_distributed("cuda" if gpu else "cpu", cfg.timeout_s)
     device = resolve_device(cfg.device, ddp.local_rank)
@@ -133,6 +142,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     model = Transformer(mcfg).to(device)  # every rank the same weights: sharding starts whole
     init_weights(model, cfg.init, cfg.mup_base_width)
     prepare_model(model, cfg.objective)
+    model.z_loss = cfg.z_loss
+    if cfg.dtype == "fp8-emulated":
+        convert_linears(model, recipe(cfg.fp8_recipe))
+    hooks = make_monitors(cfg.monitor, fp16_scaling=cfg.dtype == "fp16") + list(hooks)
+    call(hooks, "on_model", model)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype)
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
@@ -209,18 +223,31 @@ def train(cfg: TrainConfig) -> TrainResult:
     for part in engine.parts:
         part.train()
     last = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+    skips = {first: last_ - first + 1 for first, last_ in parse_skips(cfg.skip_batches)}
+    stopped = None
     for step in bar:
-        if step >= last:
+        if step >= last or stopped:
             break
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
+        for _ in range(skips.get(step + 1, 0) * cfg.grad_accum):  # never trained on
+            loader.next_batch()
         batches = [tuple(t.to(device) for t in loader.next_batch()) for _ in range(cfg.grad_accum)]
         batches = objective_batches(cfg.objective, batches, mcfg.vocab_size,
                                     (cfg.seed, dp_rank, step))  # clm: unchanged
         loss = engine.step(batches)
         norm = engine.clip(optimizer, cfg.grad_clip or float("inf"))
+        ctx = None
+        if hooks:
+            ctx = StepContext(step + 1, model, optimizer, batches, global_loss(loss, device),
+                              norm.item(), engine.autocast, scaler.get_scale()
+                              if scaler.is_enabled() else 1.0)
+            stopped = call(hooks, "before_update", ctx)
+        if stopped:  # the weights stay as they were before this step
+            optimizer.zero_grad(set_to_none=True)
+            break
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -232,6 +259,9 @@ def train(cfg: TrainConfig) -> TrainResult:
                "mfu": utilization(flops_per_token * tokens_per_step, dt, peak, ddp.world_size)}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             rec["val_loss"] = engine.evaluate(data.val, cfg.batch_size, cfg.eval_batches, device)
+        if ctx is not None:
+            ctx.record = rec
+            stopped = call(hooks, "after_update", ctx)
         history.append(rec)
         bar.set_postfix(loss=f"{loss_val:.3f}")
         if cfg.log_every and ((step + 1) % cfg.log_every == 0 or step == start_step):
@@ -241,13 +271,17 @@ def train(cfg: TrainConfig) -> TrainResult:
             checkpoint(step + 1)
     bar.close()
     done = len(history)
+    if stopped:
+        log(f"stopped after step {done}: {stopped}")
     if cfg.ckpt_dir and not cfg.ckpt_every:
         checkpoint(done)
     val = engine.evaluate(data.val, cfg.batch_size, cfg.eval_batches, device)
     if cfg.log_every:
         log(f"done: {done} steps, validation loss {val:.4f}")
-    return TrainResult(history, model, tokenizer, mcfg, cfg, flops_per_token, peak, spec.source,
-                       val, ddp.world_size, lay)
+    result = TrainResult(history, model, tokenizer, mcfg, cfg, flops_per_token, peak,
+                         spec.source, val, ddp.world_size, lay, stopped)
+    call(hooks, "on_end", result)
+    return result
 
 
 def generate_text(model: Transformer, tokenizer: ByteTokenizer | BPETokenizer, prompt: str,
