@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from trainbook import configs, data
+from trainbook.launch import threads
 from trainbook.model import Transformer, lm_loss
 from trainbook.pretrain import autoregressive as ar
 from trainbook.train import TrainConfig, train
@@ -20,10 +21,8 @@ from trainbook.train import TrainConfig, train
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny models: one thread is as fast, and does not fight other processes for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with threads(1):
+        yield
 
 
 def _model(name: str = "tiny-llama", seq: int = 16) -> Transformer:

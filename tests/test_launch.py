@@ -2,6 +2,7 @@ import time
 
 import dist_fns
 import pytest
+import torch
 
 from trainbook import launch
 
@@ -40,3 +41,20 @@ def test_rank_device_is_the_cpu_under_gloo_and_needs_a_group():
     assert [str(r.value) for r in out] == ["cpu", "cpu"]
     with pytest.raises(ValueError, match="needs a process group"):
         launch.rank_device()
+
+
+def test_threads_sets_and_restores_the_count_as_block_and_decorator():
+    from trainbook.launch import threads
+    before = torch.get_num_threads()
+
+    @threads(1)
+    def inside():
+        return torch.get_num_threads()
+
+    assert inside() == 1 and torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), threads(1):
+        raise RuntimeError("restored even so")
+    assert torch.get_num_threads() == before
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="whole number >= 1"), threads(bad):
+            pass

@@ -8,7 +8,8 @@ rank and carries its traceback; if the job runs past `timeout_s` (a mismatched c
 deadlock), every process is killed and a TimeoutError says so. No chapter or test can hang.
 
 `rank_device()` is the one answer to "where do this rank's tensors live": cuda:LOCAL_RANK
-under NCCL, the CPU under gloo. Every parallel module asks it.
+under NCCL, the CPU under gloo. Every parallel module asks it. `threads(n)` sets torch's CPU
+thread count for a block or a function and restores it: the book's small runs use one.
 
 Chapter: book/parallelism/collectives.
 """
@@ -24,7 +25,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,25 @@ def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
         raise ValueError("device 'cuda' asked for, but no GPU is visible "
                          "(torch.cuda.is_available() is False); use --device cpu")
     return torch.device("cuda", local_rank) if dev.type == "cuda" and dev.index is None else dev
+
+
+@contextlib.contextmanager
+def threads(n: int = 1) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` inside the block (or the decorated function:
+    `@threads(1)`) and restored afterwards, whatever happens.
+
+    The book's small models and tensors are overhead-bound: one thread runs them as fast as two,
+    and on a busy 2-core machine two threads can be 10-40 times slower (OpenMP workers spin
+    waiting for each other; measured while writing Parts 2-4). On a GPU it changes nothing that
+    matters: the CPU only launches kernels."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"the thread count must be a whole number >= 1, got {n!r}")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _worker(rank, world_size, port, backend, timeout_s, fn, args, kwargs, results):

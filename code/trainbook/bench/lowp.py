@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import SLOW_LOWP_ENV
+from ..launch import threads
 from .matmul import probe_tflops
 
 # x86 flags and Arm features (/proc/cpuinfo) that give native bf16 matrix arithmetic
@@ -99,13 +100,8 @@ def probe(device: str = "cpu", dtypes: Sequence[str] = ("fp32", "bf16"),
         raise ValueError(f"dtypes must include fp32 (the yardstick), got {tuple(dtypes)}")
     dev = torch.device(device)
     label = cpu_class() if dev.type == "cpu" else torch.cuda.get_device_name(dev)
-    threads = torch.get_num_threads()
-    if dev.type == "cpu":
-        torch.set_num_threads(1)
-    try:
+    with threads(1):
         rates = {d: probe_tflops(d, dev, seconds=seconds) for d in dtypes}
-    finally:
-        torch.set_num_threads(threads)
     return LowPrecision(str(dev), label, rates)
 
 

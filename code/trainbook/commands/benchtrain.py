@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from ..bench import hf, matmul
+from ..launch import threads
 from ..report import table
 from ._args import check_model_file, check_writable, command_line, non_negative_int, positive_int
 
@@ -73,10 +75,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output and Path(args.output).is_dir():
         raise ValueError(f"--output {args.output} is a folder; give a file name")
     check_writable(args.output, "--output")
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+    with threads(args.threads) if args.threads else nullcontext():
         from tqdm.auto import tqdm
         rows = []
         with tqdm(total=len(cfgs) * args.repeats, desc="benchtrain", unit="round",
@@ -87,8 +86,6 @@ def run(args: argparse.Namespace) -> int:
                                    device, warmup=args.warmup, on_repeat=bar.update)
                 rows.append(r.to_dict())
         doc = results(args, rows, device)
-    finally:
-        torch.set_num_threads(threads)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(doc, indent=2) + "\n")

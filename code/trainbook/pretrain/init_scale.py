@@ -14,7 +14,6 @@ Chapter: book/pretraining/initialisation.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import pandas as pd
@@ -85,19 +84,6 @@ def batches(blocks: torch.Tensor, batch_size: int, seed: int = 0
         rows = torch.randint(0, len(blocks), (batch_size,), generator=g)
         b = blocks[rows]
         yield b[:, :-1], b[:, 1:]
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Tiny models are overhead-bound: one intra-op thread is faster and far steadier on a
-    shared CPU than two (the sweeps chapter does the same)."""
-    threads = torch.get_num_threads()
-    if not torch.cuda.is_available():
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def short_run(model: Transformer, init: str, blocks: torch.Tensor, lr: float, steps: int,

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from .. import configs
 from ..compute.flops import training_flops_per_token
 from ..data import build_dataset
+from ..launch import threads
 from ..train import TrainConfig, train
 from ..train.objective import (
     ATTENTION,
@@ -226,12 +227,9 @@ def compare_objectives(objectives: Sequence[str] = ("clm", "mlm", "span", "prefi
     base = {"model": "tiny-llama", "tokenizer": "bytes", "progress": False, "log_every": 0}
     base.update(train_kwargs)
     rows, histories = [], {}
-    threads = torch.get_num_threads()
-    try:
+    with threads(1):  # tiny models are overhead-bound: spare the threads
         for objective in objectives:
             cfg = TrainConfig(**{**base, "objective": objective})
-            if cfg.device in ("cpu", "auto") and not torch.cuda.is_available():
-                torch.set_num_threads(1)  # tiny models are overhead-bound: spare the threads
             t0 = time.perf_counter()
             with contextlib.redirect_stdout(io.StringIO()):
                 res = train(cfg)
@@ -260,6 +258,4 @@ def compare_objectives(objectives: Sequence[str] = ("clm", "mlm", "span", "prefi
                          "continuation_bpb": cont, "infill_bpb": fill["both"],
                          "infill_left_only_bpb": fill["left"], "seconds": seconds})
             histories[objective] = res.losses()
-    finally:
-        torch.set_num_threads(threads)
     return pd.DataFrame(rows).set_index("objective"), histories

@@ -19,6 +19,7 @@ import torch
 
 from .. import configs
 from ..data import ByteTokenizer, ShardedLoader, build_dataset
+from ..launch import threads
 from ..model import Transformer
 from ..train import TrainConfig, evaluate, lr_at
 from ..train.optim import Composite, Lion, param_groups, split_hidden
@@ -391,10 +392,5 @@ def lr_sweep(grid: dict[str, Sequence[float]], steps: int = 100, d_model: int = 
                 "train_loss": sum(losses[-5:]) / 5 if ok else math.inf,
                 "seconds": time.perf_counter() - t0}
 
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)  # a model this small is overhead-bound: spare the threads
-    try:
+    with threads(1):  # a model this small is overhead-bound: spare the threads
         return pd.DataFrame([run(name, lr) for name, lrs in grid.items() for lr in lrs])
-    finally:
-        torch.set_num_threads(threads)

@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..launch import threads
 from ..train import TrainConfig, TrainResult, train
 from ..train.schedule import check_schedule, decay_start
 
@@ -44,22 +45,16 @@ def scratch_dir() -> str | None:
 
 
 @contextlib.contextmanager
-def _quiet_threads(cfg: TrainConfig) -> Iterator[None]:
-    """One thread for tiny CPU runs (they are overhead-bound), and no trainer log lines."""
-    threads = torch.get_num_threads()
-    if cfg.device in ("cpu", "auto") and not torch.cuda.is_available():
-        torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        torch.set_num_threads(threads)
+def quiet() -> Iterator[None]:
+    """One thread for tiny runs (they are overhead-bound), and no trainer log lines."""
+    with threads(1), contextlib.redirect_stdout(io.StringIO()):
+        yield
 
 
 def run(**overrides: Any) -> TrainResult:
     """Train the chapter's reference run (BASE) with `overrides` applied, quietly."""
     cfg = TrainConfig(**{**BASE, **overrides})
-    with _quiet_threads(cfg):
+    with quiet():
         return train(cfg)
 
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from .. import configs
+from ..launch import threads
 from ..train import TrainConfig, train
 
 
@@ -38,8 +38,7 @@ def train_sweep(shapes: Sequence[tuple[int, int]], steps: Sequence[int], **train
             "lr": 3e-3, "progress": False, "log_every": 0, "eval_batches": 8}
     base.update(train_kwargs)
     rows, histories = [], {}
-    threads = torch.get_num_threads()
-    try:
+    with threads(1):  # tiny models are overhead-bound: spare the threads
         for d_model, n_layers in shapes:
             heads = max(1, d_model // 16)
             for n_steps in steps:
@@ -47,8 +46,6 @@ def train_sweep(shapes: Sequence[tuple[int, int]], steps: Sequence[int], **train
                                      "n_kv_heads": heads, "d_ff": (8 * d_model // 3 + 7) // 8 * 8,
                                      "steps": n_steps, "warmup_steps": min(10, n_steps // 5),
                                      **base})
-                if cfg.device in ("cpu", "auto") and not torch.cuda.is_available():
-                    torch.set_num_threads(1)  # tiny models are overhead-bound: spare the threads
                 t0 = time.perf_counter()
                 with contextlib.redirect_stdout(io.StringIO()):  # the trainer's "done" line
                     res = train(cfg)
@@ -61,6 +58,4 @@ def train_sweep(shapes: Sequence[tuple[int, int]], steps: Sequence[int], **train
                              "train_loss": float(np.mean(losses[-5:])),
                              "seconds": time.perf_counter() - t0})
                 histories[(d_model, n_layers, n_steps)] = losses
-    finally:
-        torch.set_num_threads(threads)
     return pd.DataFrame(rows), histories
