@@ -64,7 +64,7 @@ def test_train_command_runs(cache_dir, tmp_path, capsys):
     (["params", "--model", "llama-9"], "unknown model 'llama-9'"),
     (["params", "--model", "missing/config.json"], "no config.json at"),
     (["train", "--steps", "0"], "steps must be >= 1"),
-    (["train", "--dtype", "fp64"], "dtype must be fp32, bf16 or fp16"),
+    (["train", "--dtype", "fp64"], "dtype must be one of fp32, bf16, fp16, fp8-emulated"),
 ])
 def test_bad_input_is_one_clear_line(argv, message, capsys):
     assert main(argv) == 2

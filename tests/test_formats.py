@@ -114,8 +114,8 @@ def test_bits_per_element_of_block_formats():
 
 def test_mx_scale_puts_the_block_max_in_the_top_binade():
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 256, generator=g, dtype=torch.float64) * torch.logspace(-20, 20, 64,
-                                                                                dtype=torch.float64)[:, None]
+    spread = torch.logspace(-20, 20, 64, dtype=torch.float64)[:, None]
+    x = torch.randn(64, 256, generator=g, dtype=torch.float64) * spread
     for name in ("mxfp8_e4m3", "mxfp4"):
         b = F.BLOCK_FORMATS[name]
         s = F.block_scales(x, name)

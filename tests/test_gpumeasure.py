@@ -14,7 +14,8 @@ from trainbook.bench import gpu_truth as G
 
 HEADER = {"measurement", "command", "date_utc", "versions", "device", "size", "status", "reason",
           "budget", "result", "elapsed_s"}
-NAMES = ["mamf-fp32", "mamf-bf16", "mamf-tf32", "mamf-fp8", "profile", "train", "memory"]
+NAMES = ["mamf-fp32", "mamf-bf16", "mamf-tf32", "mamf-fp8", "profile", "train", "memory",
+         "fp8-linear"]
 MEMORY_TOLERANCE = 0.10  # estimator vs MemTracker, as tests/test_memory.py holds it
 
 
@@ -66,6 +67,9 @@ def test_mamf_measures_fp32_and_bf16_and_refuses_tf32_and_fp8(measured):
         r = records[f"mamf-{d}"]
         assert r["status"] == "refused" and r["result"] is None
         assert f"{d} matmuls need a GPU" in r["reason"]
+    r = records["fp8-linear"]  # the FP8 linear layer against bf16 (book/precision/fp8)
+    assert r["status"] == "refused" and r["result"] is None
+    assert "fp8 matmuls need a GPU" in r["reason"]
 
 
 def test_trainer_tokens_per_s_mfu_and_memory(measured):
@@ -113,7 +117,7 @@ def test_a_tiny_budget_skips_with_reasons(tmp_path):
     for name in NAMES:
         rec = json.loads((tmp_path / f"{name}.json").read_text())
         assert HEADER <= set(rec) and rec["result"] is None
-        if name in ("mamf-tf32", "mamf-fp8"):
+        if name in ("mamf-tf32", "mamf-fp8", "fp8-linear"):
             assert rec["status"] == "refused"
         else:
             assert rec["status"] == "skipped" and "budget" in rec["reason"], rec["reason"]

@@ -95,7 +95,7 @@ def test_model_config_overrides(cache_dir):
 @pytest.mark.parametrize("changes, message", [
     (dict(steps=0), "steps must be >= 1"),
     (dict(warmup_steps=500), "warmup_steps must be in"),
-    (dict(dtype="fp8"), "dtype must be fp32, bf16 or fp16"),
+    (dict(dtype="fp8"), "dtype must be one of fp32, bf16, fp16, fp8-emulated"),
     (dict(lr=-1.0), "need lr > 0"),
     (dict(resume=True), "need ckpt_dir"),
     (dict(device="tpu"), "unknown device 'tpu': device must be auto, cpu, cuda or cuda:N"),

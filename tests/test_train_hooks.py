@@ -87,7 +87,8 @@ def test_skip_batches_trains_on_later_data_and_resumes_the_same(cache_dir, tmp_p
     assert resumed.losses() == skipped.losses()
 
 
-@pytest.mark.parametrize("text, parsed", [("", []), ("5", [(5, 5)]), ("3-4, 9-12", [(3, 4), (9, 12)])])
+@pytest.mark.parametrize("text, parsed", [("", []), ("5", [(5, 5)]),
+                                          ("3-4, 9-12", [(3, 4), (9, 12)])])
 def test_parse_skips(text, parsed):
     assert parse_skips(text) == parsed
 
@@ -174,3 +175,34 @@ def test_embed_scale_and_gpt2_qk_norm_have_no_hf_equivalent():
         hf.hf_config(configs.get("tiny-gpt2").with_(qk_norm=True))
     with pytest.raises(ValueError, match="embed_scale must be a positive number"):
         configs.get("tiny-llama").with_(embed_scale=-1.0)
+
+
+def test_clipping_off_measures_an_overflowing_norm_without_making_nan():
+    """--grad-clip 0: a gradient norm that overflows fp32 stays inf and the gradients stay
+    finite (clip_grad_norm_ with max_norm inf would multiply them by inf / inf = NaN)."""
+    from trainbook.train.engine import Plain
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 3e38)
+    model = torch.nn.Linear(1, 1)
+    model.weight, model.bias = p, None
+    engine = Plain(model, model, False, None, torch.amp.GradScaler("cpu", enabled=False))
+    norm = engine.clip(torch.optim.SGD([p], lr=0.1), float("inf"))
+    assert norm.isinf() and torch.isfinite(p.grad).all()
+
+
+def test_emulated_fp16_trains_with_loss_scaling(cache_dir):
+    """--dtype fp8-emulated --fp8-recipe fp16 rounds gradients to fp16 inside the linear layers:
+    the trainer scales the loss as it does for autocast fp16 (GradScaler's scale is logged)."""
+    class Scale(Hook):
+        def __init__(self):
+            self.scales = []
+
+        def before_update(self, ctx):
+            self.scales.append(ctx.loss_scale)
+
+    seen = Scale()
+    r = train(tiny(cache_dir, steps=3, dtype="fp8-emulated", fp8_recipe="fp16"), hooks=[seen])
+    assert seen.scales[0] == 2.0 ** 16 and math.isfinite(r.losses()[-1])
+    seen = Scale()
+    train(tiny(cache_dir, steps=3, dtype="fp8-emulated", fp8_recipe="tensorwise"), hooks=[seen])
+    assert seen.scales == [1.0, 1.0, 1.0]

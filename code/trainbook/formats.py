@@ -166,12 +166,15 @@ def get_block(name: str | BlockFormat) -> BlockFormat:
 
 
 def quantize(x: torch.Tensor, fmt: str | FloatFormat, overflow: str | None = None,
-             stochastic: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+             stochastic: bool = False, generator: torch.Generator | None = None,
+             truncate: bool = False) -> torch.Tensor:
     """`x` rounded to `fmt`, returned in x's dtype (float32 or float64).
 
     Round to nearest, ties to even (IEEE 754's default), or stochastically: up with probability
     equal to the distance from the value below, in units of the spacing, so the rounding is
-    unbiased on average. Values whose rounded magnitude exceeds the format's max become the max
+    unbiased on average; or, with `truncate`, toward zero (the bits below the format's last
+    mantissa bit dropped: fp32 -> bf16 by truncation, a limited-precision accumulator that
+    chops). Values whose rounded magnitude exceeds the format's max become the max
     ("saturate"), inf ("inf") or NaN ("nan"); the default is the format's `default_overflow`.
     NaN stays NaN; formats without NaN (fp6, fp4) have no right answer, and here it becomes the
     max, so that it stays visible (ml_dtypes makes it a zero). An infinite input follows the
@@ -184,6 +187,8 @@ def quantize(x: torch.Tensor, fmt: str | FloatFormat, overflow: str | None = Non
         raise ValueError(f"{f.name} has no infinity; use overflow='saturate' or 'nan'")
     if overflow == "nan" and not f.has_nan:
         raise ValueError(f"{f.name} has no NaN; use overflow='saturate'")
+    if stochastic and truncate:
+        raise ValueError("choose one rounding: stochastic=True or truncate=True, not both")
     if not torch.is_floating_point(x) or x.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"quantize takes float32 or float64 tensors, got {x.dtype}; "
                          "convert with .float() first")
@@ -198,6 +203,8 @@ def quantize(x: torch.Tensor, fmt: str | FloatFormat, overflow: str | None = Non
     if stochastic:
         u = torch.rand(scaled.shape, generator=generator, dtype=torch.float64)
         q = torch.floor(scaled + u.to(scaled.device))
+    elif truncate:
+        q = torch.floor(scaled)  # scaled >= 0: toward zero
     else:
         q = torch.round(scaled)  # half to even
     q = q * quantum
@@ -214,20 +221,38 @@ def quantize(x: torch.Tensor, fmt: str | FloatFormat, overflow: str | None = Non
     return torch.copysign(q, xd).to(x.dtype)  # -0.0 stays -0.0
 
 
-def block_scales(x: torch.Tensor, bfmt: str | BlockFormat) -> torch.Tensor:
+SCALE_ROUNDINGS = ("floor", "ceil")
+
+
+def block_scales(x: torch.Tensor, bfmt: str | BlockFormat,
+                 scale_rounding: str = "floor") -> torch.Tensor:
     """One scale per block of the last dimension (which must divide into blocks), as the format
     computes it. MX (OCP MX v1.0, Section 6.3): 2^(floor(log2 amax) - emax of the element), an
-    E8M0 power of two, so the block's largest value lands in the element's top binade. NVFP4:
+    E8M0 power of two, so the block's largest value lands in the element's top binade (and
+    clips when it lands above the element's max); `scale_rounding="ceil"` takes instead
+    2^ceil(log2(amax / element max)), the smallest power of two that fits the block without
+    clipping (Mishra et al. 2025's round-up of the scale; Blackwell's cvt.rp to ue8m0). NVFP4:
     amax / 6 rounded to E4M3 (the element's max maps to the block's max)."""
     b = get_block(bfmt)
+    if scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(f"scale_rounding must be one of {', '.join(SCALE_ROUNDINGS)}, "
+                         f"got {scale_rounding!r}")
+    if scale_rounding != "floor" and b.scale != "e8m0":
+        raise ValueError(f"scale_rounding applies to the power-of-two (E8M0) scales of MX "
+                         f"formats; {b.name}'s scales are {b.scale}")
     if x.shape[-1] % b.block:
         raise ValueError(f"the last dimension ({x.shape[-1]}) must be a multiple of "
                          f"{b.name}'s block of {b.block}; pad it")
     amax = x.detach().double().reshape(*x.shape[:-1], -1, b.block).abs().amax(-1)
     elem = FORMATS[b.element]
     if b.scale == "e8m0":
-        _, e = torch.frexp(amax)
-        exp = torch.where(amax > 0, e - 1 - elem.emax, torch.zeros_like(e))
+        if scale_rounding == "ceil":
+            m, e = torch.frexp(amax / elem.max)  # amax / max = m 2^e, m in [0.5, 1)
+            exp = torch.where(m > 0.5, e, e - 1)  # ceil(log2(amax / max))
+        else:
+            _, e = torch.frexp(amax)
+            exp = e - 1 - elem.emax
+        exp = torch.where(amax > 0, exp, torch.zeros_like(exp))
         return torch.ldexp(torch.ones_like(amax), exp.clamp(-127, 127))
     return quantize(amax / elem.max, b.scale, overflow="saturate").clamp(
         min=FORMATS[b.scale].min_subnormal)
@@ -235,11 +260,13 @@ def block_scales(x: torch.Tensor, bfmt: str | BlockFormat) -> torch.Tensor:
 
 def block_quantize(x: torch.Tensor, bfmt: str | BlockFormat,
                    stochastic: bool = False,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+                   generator: torch.Generator | None = None,
+                   scale_rounding: str = "floor") -> torch.Tensor:
     """`x` stored in a block format and read back (dequantised), in x's dtype. Elements are
     divided by their block's scale and rounded to the element format with saturation, as the MX
     specification and NVFP4 recipes convert; NVFP4 first divides by a per-tensor fp32 scale that
-    puts the tensor's amax at the largest block scale times the element max."""
+    puts the tensor's amax at the largest block scale times the element max. `scale_rounding`:
+    see `block_scales`."""
     b = get_block(bfmt)
     xd = x.double()
     tensor_scale = 1.0
@@ -248,7 +275,7 @@ def block_quantize(x: torch.Tensor, bfmt: str | BlockFormat,
         top = FORMATS[b.scale].max * FORMATS[b.element].max
         tensor_scale = amax / top if amax > 0 else 1.0
         xd = xd / tensor_scale
-    scales = block_scales(xd, b)
+    scales = block_scales(xd, b, scale_rounding)
     blocks = xd.reshape(*x.shape[:-1], -1, b.block)
     q = quantize(blocks / scales[..., None], b.element, overflow="saturate",
                  stochastic=stochastic, generator=generator)

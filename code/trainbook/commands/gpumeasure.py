@@ -1,17 +1,20 @@
 """trainbook gpumeasure: measure the device at hand once, and store every number as data.
 
-Four measurements, each written as one JSON file under --out (default data/gpu/<device>/) with
+Five measurements, each written as one JSON file under --out (default data/gpu/<device>/) with
 the command line, the UTC date, the versions (python, torch, CUDA/HIP, the trainbook commit) and
 the device: (1) MAMF, the best matmul TFLOPS per dtype (bf16, fp16, tf32, fp8 on a GPU that has
 them; fp32 and bf16 on a CPU; a refused dtype is recorded with the reason); (2) the reference
 trainer's tokens/s, MFU and peak memory against the memory estimator; (3) a torch.profiler step
 profile, time by operator class, with the chrome trace beside it (Perfetto opens it); (4) the
 estimator against the measured peak of three single-device setups (torch.cuda.max_memory_allocated
-on a GPU, MemTracker on a CPU). One --budget-s is shared: each measurement gets a slice of what is
-left and is skipped, with the reason recorded, when its slice is too small.
+on a GPU, MemTracker on a CPU); (5) an FP8 linear layer's three matmuls, casts included,
+against bf16 (`bench.fp8_linear`, Llama 3 8B's shapes; torchao's Float8Linear too where torchao
+is installed; refused without FP8 tensor cores). One --budget-s is shared: each measurement
+gets a slice of what is left and is skipped, with the reason recorded, when its slice is too
+small.
 Example (one GPU, under 8 minutes): tools/gpu/measure.sh, or python -m trainbook gpumeasure
 
-Chapter: book/compute/throughput.
+Chapter: book/compute/throughput; book/precision/fp8 (fp8-linear).
 """
 
 from __future__ import annotations
@@ -30,19 +33,23 @@ from pathlib import Path
 import torch
 
 from .. import hardware
+from ..bench import fp8_linear, matmul
 from ..bench import gpu_truth as G
-from ..bench import matmul
 from ..bench.timing import default_flush_bytes
 from ..launch import resolve_device
 from ..report import table
 from ._args import check_writable, command_line
 
-HELP = "measure this GPU (or CPU) once: MAMF, trainer tokens/s and MFU, a step profile, memory"
+HELP = ("measure this GPU (or CPU) once: MAMF, trainer tokens/s and MFU, a step profile, "
+        "memory, an FP8 linear layer against bf16")
 
 GPU_DTYPES, CPU_DTYPES = ("bf16", "fp16", "tf32", "fp8"), ("fp32", "bf16", "tf32", "fp8")
-WEIGHTS = {"mamf": 1.0, "profile": 1.5, "train": 3.0, "memory": 3.0}  # shares of the budget
-MIN_S = {"small": {"mamf": 0.5, "profile": 2.0, "train": 3.0, "memory": 2.0},  # below: skipped
-         "large": {"mamf": 5.0, "profile": 10.0, "train": 20.0, "memory": 15.0}}
+WEIGHTS = {"mamf": 1.0, "profile": 1.5, "train": 3.0, "memory": 3.0, "fp8": 1.5}  # of the budget
+MIN_S = {"small": {"mamf": 0.5, "profile": 2.0, "train": 3.0, "memory": 2.0, "fp8": 1.0},
+         "large": {"mamf": 5.0, "profile": 10.0, "train": 20.0, "memory": 15.0, "fp8": 10.0}}
+FP8_SHAPES = {  # (tokens M, inputs K, outputs N): Llama 3 8B's linears at 8192 tokens per GPU
+    "large": [(8192, 4096, 6144), (8192, 4096, 4096), (8192, 4096, 28672), (8192, 14336, 4096)],
+    "small": [(1024, 1024, 1024), (2048, 2048, 2048)]}
 TRAIN_OVERHEAD_S = {"small": 3.0, "large": 30.0}  # data, tokenizer, evaluation, peak lookup
 LARGE_GPU = dict(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, d_ff=5632)  # ~0.8B
 MODELS = {  # size, device type -> trainer options of the reference model and its run
@@ -286,6 +293,26 @@ class _Run:
                "steady-state fp32 step (torch.cuda.max_memory_allocated needs a GPU)")
         return {"how": how, "model_config": p["model"].to_dict(), "setups": entries}
 
+    def fp8_linear(self, slice_s: float) -> dict:
+        shapes = FP8_SHAPES[self.size]
+        rows, torchao, t0 = [], [], time.perf_counter()
+        for m, k, n in shapes:
+            left = slice_s - (time.perf_counter() - t0)
+            if left < MIN_S[self.size]["fp8"] / len(shapes):
+                break
+            share = left / (2 * (len(shapes) - len(rows)))
+            rows.append(fp8_linear.time_step(m, k, n, self.device, budget_s=share))
+            torchao.append(fp8_linear.torchao_times(m, k, n, self.device, budget_s=share))
+        if not rows:
+            raise Skipped(f"no shape fits this budget slice of {slice_s:.1f} s")
+        return {"how": "median of CUDA-event times of one linear layer's forward and two "
+                       "backward matmuls: bf16 (torch.matmul), FP8 through torch._scaled_mm "
+                       "with the amax, scaling and casts included (tensorwise: E4M3 x, W and "
+                       "E5M2 gradients; rowwise: E4M3 throughout), and the FP8 matmuls alone "
+                       "on operands cast beforehand (trainbook.bench.fp8_linear)",
+                "rows": rows, "torchao": torchao,
+                "skipped_shapes": [list(s) for s in shapes[len(rows):]]}
+
 
 def run(args: argparse.Namespace) -> int:
     device, size, out = _validate(args)
@@ -300,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
             refused[d] = str(e)
     weights = {f"mamf-{d}": WEIGHTS["mamf"] for d in dtypes if d not in refused}
     weights.update(profile=WEIGHTS["profile"], train=WEIGHTS["train"], memory=WEIGHTS["memory"])
+    if "fp8" not in refused:
+        weights["fp8-linear"] = WEIGHTS["fp8"]
     budget = G.Budget(args.budget_s, weights)
     t0 = time.perf_counter()
     for d in dtypes:
@@ -312,6 +341,12 @@ def run(args: argparse.Namespace) -> int:
     r.measure("profile", r.profile, budget, "profile")
     r.measure("train", r.train, budget, "train")
     r.measure("memory", r.memory, budget, "memory")
+    if "fp8" in refused:
+        def refuse_fp8(_, why=refused["fp8"]):
+            raise Refused(why)
+        r.measure("fp8-linear", refuse_fp8, None, "fp8")
+    else:
+        r.measure("fp8-linear", r.fp8_linear, budget, "fp8")
     failed = [row["name"] for row in r.rows if row["status"] == "failed"]
     doc = {"out": str(out), "device": G.device_info(device), "size": size,
            "budget_s": args.budget_s, "elapsed_s": time.perf_counter() - t0,

@@ -96,8 +96,10 @@ class TrainConfig:
     dtype: str = _opt("fp32", "autocast dtype: fp32 (off), bf16, fp16 (with loss scaling), or "
                               "fp8-emulated (the blocks' linear layers with FP8 numerics, "
                               "emulated in fp32: --fp8-recipe)")
-    fp8_recipe: str = _opt("tensorwise", "fp8-emulated: how operands are scaled: "
-                                         + ", ".join(RECIPES))
+    fp8_recipe: str = _opt("tensorwise", "fp8-emulated: how operands are rounded and scaled: "
+                                         + ", ".join(RECIPES) + " (bf16 and fp16: the same "
+                                         "emulation without scales, a baseline; fp16 with loss "
+                                         "scaling)")
     qk_norm: bool = _opt(False, "normalise queries and keys per head (QK-norm): bounds the "
                                 "attention logits")
     z_loss: float = _opt(0.0, "PaLM's z-loss coefficient (1e-4 in PaLM): keeps the output "

@@ -64,7 +64,12 @@ class Plain:
         return loss_sum / len(batches)
 
     def clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """The global gradient norm, gradients clipped to `max_norm` (inf: only measured, so an
+        overflowing norm cannot turn every gradient into inf/inf = NaN)."""
         self.scaler.unscale_(optimizer)
+        if max_norm == float("inf"):
+            return torch.nn.utils.get_total_norm(
+                [p.grad for p in self.model.parameters() if p.grad is not None])
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     @torch.no_grad()

@@ -1,12 +1,14 @@
 """Hooks: how code outside the loop watches or changes a run without editing the loop.
 
-A hook is an object with any of four methods, called in order for every hook passed to
+A hook is an object with any of five methods, called in order for every hook passed to
 `train(cfg, hooks=[...])`: `on_model(model)` once, after the model is built and before the
-optimizer sees its parameters (swap modules here); `before_update(ctx)` every step, when the
-gradients are complete and clipped, before the optimizer moves the weights; `after_update(ctx)`
-after the step, with `ctx.record` (the history row, to which a hook may add keys); `on_end(result)`
-once. A hook that raises `StopTraining` ends the run cleanly: the history so far is kept, the
-reason is in `TrainResult.stopped`. The trainer's own monitors (`--monitor spikes,nan`) are hooks.
+optimizer sees its parameters (swap modules here); `on_batches(step, batches)` every step, before
+the forward pass, which may return other micro-batches (plant bad data, drop a batch);
+`before_update(ctx)` every step, when the gradients are complete and clipped, before the
+optimizer moves the weights; `after_update(ctx)` after the step, with `ctx.record` (the history
+row, to which a hook may add keys); `on_end(result)` once. A hook that raises `StopTraining`
+ends the run cleanly: the history so far is kept, the reason is in `TrainResult.stopped`. The
+trainer's own monitors (`--monitor spikes,nan`) are hooks.
 
 Chapter: book/stability/loss-spikes; book/stability/debugging.
 """
@@ -20,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]  # a step's (inputs, targets) micro-batches
 
 
 class StopTraining(Exception):
@@ -50,6 +54,10 @@ class Hook:
     def on_model(self, model: nn.Module) -> None:
         """Once, before the optimizer is built: the place to replace or wrap modules."""
 
+    def on_batches(self, step: int, batches: Batches) -> Batches | None:
+        """Before step `step` (1-based) runs forward: return the micro-batches to train on
+        instead of `batches`, or None to keep them."""
+
     def before_update(self, ctx: StepContext) -> None:
         """Gradients complete (unscaled, clipped), weights not yet moved."""
 
@@ -58,6 +66,15 @@ class Hook:
 
     def on_end(self, result: Any) -> None:
         """Once, with the TrainResult."""
+
+
+def replace_batches(hooks: list[Hook], step: int, batches: Batches) -> Batches:
+    """The micro-batches step `step` trains on after every hook's `on_batches`, in order."""
+    for h in hooks:
+        out = h.on_batches(step, batches)
+        if out is not None:
+            batches = out
+    return batches
 
 
 def call(hooks: list[Hook], method: str, *args: Any) -> str | None:

@@ -47,9 +47,9 @@ from .checkpoint import (
 from .config import TrainConfig, layout_for, model_config, parse_skips, read_layout
 from .emulate import convert_linears, recipe
 from .engine import Composed, Plain, global_loss
-from .hooks import Hook, StepContext, call
-from .monitor import make_monitors
+from .hooks import Hook, StepContext, call, replace_batches
 from .init import init_weights
+from .monitor import make_monitors
 from .objective import objective_batches, prepare_model
 from .optim import make_optimizer
 from .schedule import lr_at
@@ -145,11 +145,14 @@ def train(cfg: TrainConfig, hooks: list[Hook] | tuple[Hook, ...] = ()) -> TrainR
     model.z_loss = cfg.z_loss
     if cfg.dtype == "fp8-emulated":
         convert_linears(model, recipe(cfg.fp8_recipe))
-    hooks = make_monitors(cfg.monitor, fp16_scaling=cfg.dtype == "fp16") + list(hooks)
+    # fp16 needs loss scaling, autocast's or the emulation's (the bf16 and fp16 recipes are the
+    # emulation's baselines: the same rounding machinery without FP8's scales)
+    fp16 = cfg.dtype == "fp16" or (cfg.dtype == "fp8-emulated" and cfg.fp8_recipe == "fp16")
+    hooks = make_monitors(cfg.monitor, fp16_scaling=fp16) + list(hooks)
     call(hooks, "on_model", model)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.dtype)
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     if composed:
         from .parallelize import build_mesh
         mesh = build_mesh(lay, device.type)
@@ -237,6 +240,7 @@ def train(cfg: TrainConfig, hooks: list[Hook] | tuple[Hook, ...] = ()) -> TrainR
         batches = [tuple(t.to(device) for t in loader.next_batch()) for _ in range(cfg.grad_accum)]
         batches = objective_batches(cfg.objective, batches, mcfg.vocab_size,
                                     (cfg.seed, dp_rank, step))  # clm: unchanged
+        batches = replace_batches(hooks, step + 1, batches)  # a hook may plant or drop data
         loss = engine.step(batches)
         norm = engine.clip(optimizer, cfg.grad_clip or float("inf"))
         ctx = None

@@ -1,0 +1,227 @@
+"""What clipping does to a training run, measured through the trainer's hooks.
+
+`LayerGradNorms` records each step's gradient norm per block (the embedding, every transformer
+block, the final norm, the head) and whether the step was clipped; `PlantBatch` swaps one step's
+inputs for a single repeated token (a shard of zero bytes, a padding bug); `UpdateProbe` records
+the size of every update and keeps the update of one chosen step. On top of them: a healthy run
+(`healthy_run`), runs at too high a learning rate with and without clipping for SGD and AdamW
+(`divergence_runs`, stored over seeds by `write_divergence_sweep`), and one bad batch under
+identical histories (`bad_batch`).
+
+Chapter: book/stability/clipping.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import nn
+
+from ..bench import lowp
+from ..launch import threads
+from ..train import TrainConfig, train
+from ..train.hooks import Batches, Hook, StepContext
+from .clipping import clip_coef, cosine
+
+# the chapter's model: tiny-llama narrowed to run a step in milliseconds on a CPU
+BASE = dict(model="tiny-llama", d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=176,
+            tokenizer="bytes", seq_len=64, batch_size=8, steps=150, warmup_steps=10,
+            log_every=0, progress=False, eval_batches=2, device="cpu")
+
+
+def config(**overrides: object) -> TrainConfig:
+    """The chapter's training configuration with `overrides` (TrainConfig checks them)."""
+    return TrainConfig(**{**BASE, **overrides})
+
+
+def block_of(name: str) -> str:
+    """The block a parameter belongs to: 'blocks.3.attn.q.weight' -> 'blocks.3',
+    'embed.weight' -> 'embed', 'head.weight' -> 'head'."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+
+
+class LayerGradNorms(Hook):
+    """Per-block gradient norms of every step, before clipping, into the history as
+    `gnorm.<block>`, plus `clipped` (whether clip_grad_norm_ scaled the step). The trainer clips
+    before hooks run, so the norms measured are divided by the step's clip coefficient."""
+
+    def __init__(self, max_norm: float):
+        if max_norm < 0:
+            raise ValueError(f"max_norm is the run's grad_clip, >= 0 (0: off), got {max_norm}")
+        self.max_norm = max_norm
+        self.blocks: dict[str, list[nn.Parameter]] = {}
+        self._norms: dict[str, float] = {}
+
+    def on_model(self, model: nn.Module) -> None:
+        self.blocks = {}
+        for name, p in model.named_parameters():  # a tied weight appears once
+            self.blocks.setdefault(block_of(name), []).append(p)
+
+    def coef(self, grad_norm: float) -> float:
+        return clip_coef(torch.tensor(grad_norm), self.max_norm).item() if self.max_norm else 1.0
+
+    @torch.no_grad()
+    def before_update(self, ctx: StepContext) -> None:
+        coef = self.coef(ctx.grad_norm)
+        self._norms = {}
+        for block, params in self.blocks.items():
+            sq = sum(float(p.grad.float().pow(2).sum()) for p in params if p.grad is not None)
+            self._norms[block] = math.sqrt(sq) / coef if coef > 0 else math.nan
+
+    def after_update(self, ctx: StepContext) -> None:
+        ctx.record.update({f"gnorm.{b}": v for b, v in self._norms.items()})
+        ctx.record["clipped"] = bool(self.max_norm) and self.coef(ctx.grad_norm) < 1.0
+
+
+class PlantBatch(Hook):
+    """At step `step` (1-based), every micro-batch's inputs become `token` repeated; the targets
+    stay (what a shard of zero bytes or a padding bug feeds a run)."""
+
+    def __init__(self, step: int, token: int = 0):
+        if step < 1 or token < 0:
+            raise ValueError(f"need step >= 1 and token >= 0, got {step}, {token}")
+        self.step, self.token = step, token
+
+    def on_batches(self, step: int, batches: Batches) -> Batches | None:
+        if step != self.step:
+            return None
+        return [(torch.full_like(x, self.token), y) for x, y in batches]
+
+
+class UpdateProbe(Hook):
+    """The norm of every update ||theta_after - theta_before|| into the history (`update`), and
+    the whole update of step `keep` (flattened, float64) in `.kept`."""
+
+    def __init__(self, keep: int | None = None):
+        self.keep = keep
+        self.kept: torch.Tensor | None = None
+        self._before: list[torch.Tensor] = []
+
+    def before_update(self, ctx: StepContext) -> None:
+        self._before = [p.detach().clone() for p in ctx.model.parameters()]
+
+    def after_update(self, ctx: StepContext) -> None:
+        delta = torch.cat([(p.detach() - b).reshape(-1).double()
+                           for p, b in zip(ctx.model.parameters(), self._before)])
+        ctx.record["update"] = delta.norm().item()
+        if ctx.step == self.keep:
+            self.kept = delta
+        self._before = []
+
+
+def history(cfg: TrainConfig, hooks: Sequence[Hook] = ()) -> pd.DataFrame:
+    """Train and return the per-step history as a DataFrame (indexed by step)."""
+    with threads(1):
+        result = train(cfg, hooks=list(hooks))
+    if not result.history:  # stopped at its first step
+        return pd.DataFrame({"loss": [], "grad_norm": []}, index=pd.Index([], name="step"))
+    return pd.DataFrame(result.history).set_index("step")
+
+
+def healthy_run(steps: int = 200, max_norm: float = 1.0, **overrides: object) -> pd.DataFrame:
+    """AdamW at the trainer's default learning rate, clipped at max_norm, with per-block norms."""
+    return history(config(steps=steps, grad_clip=max_norm, **overrides),
+                   [LayerGradNorms(max_norm)])
+
+
+def onset(losses: Sequence[float], margin: float = 1.0) -> int | None:
+    """The first step (1-based) whose loss is not finite or exceeds the first step's by more
+    than `margin` nats: where a run has diverged. None if it never does."""
+    for i, loss in enumerate(losses):
+        if not math.isfinite(loss) or loss > losses[0] + margin:
+            return i + 1
+    return None
+
+
+def divergence_runs(grid: dict[str, Sequence[float]], clips: Sequence[float] = (0.0, 1.0),
+                    seeds: Sequence[int] = (0,), steps: int = 150) -> pd.DataFrame:
+    """One run per (optimizer, peak lr, max_norm, seed); a run stops at its first non-finite
+    loss (the NaN monitor). Rows: the divergence step (`onset`), the last loss, the largest
+    gradient norm and the share of steps clipped."""
+    if not grid or any(not lrs or min(lrs) <= 0 for lrs in grid.values()):
+        raise ValueError(f"grid maps optimizers to positive learning rates, got {dict(grid)}")
+    rows = []
+    for opt, lrs in grid.items():
+        for lr in lrs:
+            for clip in clips:
+                for seed in seeds:
+                    cfg = config(optimizer=opt, lr=lr, grad_clip=clip, seed=seed, steps=steps,
+                                 monitor="nan")
+                    h = history(cfg, [LayerGradNorms(clip)])
+                    finite = h.loss.map(math.isfinite)
+                    last = h.loss[finite]
+                    rows.append({"optimizer": opt, "lr": lr, "max_norm": clip, "seed": seed,
+                                 "steps": int(finite.sum()),
+                                 "onset": onset(list(h.loss)) if len(h) else 1,
+                                 "nan": not finite.all() or len(h) < steps,
+                                 "last_loss": float(last.iloc[-1]) if len(last) else math.nan,
+                                 "max_grad_norm": float(h.grad_norm.max()) if len(h) else math.nan,
+                                 "clipped": float(h.clipped.mean()) if len(h) else math.nan})
+    return pd.DataFrame(rows)
+
+
+SWEEP_GRID = {"sgd": [0.1, 0.3, 1.0, 3.0], "adamw": [3e-3, 3e-2, 0.3, 3.0]}
+SWEEP_COMMAND = ("python -c \"from trainbook.stability import clipping_runs as r; "
+                 "r.write_divergence_sweep('book/stability/data/clipping-divergence.json')\"")
+
+
+def write_divergence_sweep(path: str, seeds: Sequence[int] = (0, 1, 2),
+                           steps: int = 150) -> dict:
+    """Run `divergence_runs` over SWEEP_GRID and both clip settings for each seed and write it
+    with what it ran on (command, date, torch, machine); returns what was written."""
+    rows = divergence_runs(SWEEP_GRID, seeds=seeds, steps=steps)
+    doc = {"kind": "clipping-divergence", "command": SWEEP_COMMAND,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "machine": lowp.machine_line(),
+           "threads": 1, "config": {**BASE, "steps": steps}, "grid": SWEEP_GRID,
+           "seeds": list(seeds), "rows": json.loads(rows.to_json(orient="records"))}
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def read_sweep(path: str) -> tuple[dict, pd.DataFrame]:
+    """The stored sweep's metadata and its rows."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("kind") != "clipping-divergence":
+        raise ValueError(f"{path} is not a clipping-divergence sweep; write one with "
+                         f"{SWEEP_COMMAND}")
+    return {k: v for k, v in doc.items() if k != "rows"}, pd.DataFrame(doc["rows"])
+
+
+def bad_batch(optimizer: str, lr: float, step: int = 40, headroom: float = 2.0,
+              token: int = 0) -> dict:
+    """One planted batch (inputs all `token`) at `step`, with and without clipping, on runs that
+    are identical until then: max_norm is `headroom` times the largest healthy gradient norm
+    before the planted step, so only the planted step is clipped. Returns the gradient norm of
+    the planted step, the clip coefficient, the update norms with and without clipping, the
+    typical update before it, and the cosine between the two planted updates."""
+    if headroom <= 1:
+        raise ValueError(f"headroom must be > 1 (max_norm above every healthy step), got "
+                         f"{headroom}")
+    base = config(optimizer=optimizer, lr=lr, steps=step, grad_clip=0.0)
+    runs = {}
+    for clip in (None, 0.0):  # first unclipped, to set max_norm from its healthy steps
+        if clip is None:
+            cfg = base
+        else:
+            healthy = runs["none"][0].grad_norm.iloc[:step - 1].max()
+            cfg = replace(base, grad_clip=headroom * healthy)
+        probe = UpdateProbe(keep=step)
+        h = history(cfg, [PlantBatch(step, token), probe])
+        runs["none" if clip is None else "clip"] = (h, probe.kept, cfg.grad_clip)
+    (h0, u0, _), (h1, u1, max_norm) = runs["none"], runs["clip"]
+    g = h0.grad_norm.loc[step]
+    return {"optimizer": optimizer, "lr": lr, "healthy_max_grad_norm": h0.grad_norm.iloc[:-1].max(),
+            "planted_grad_norm": g, "max_norm": max_norm,
+            "coef": clip_coef(torch.tensor(g), max_norm).item(),
+            "update_before": h0["update"].iloc[-2], "update_unclipped": h0["update"].loc[step],
+            "update_clipped": h1["update"].loc[step], "cosine": cosine([u0], [u1]),
+            "same_history": h0.loss.iloc[:-1].tolist() == h1.loss.iloc[:-1].tolist()}
