@@ -64,6 +64,30 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return max(found, key=lambda p: p.name.removesuffix(".pt")) if found else None
 
 
+def prune_checkpoints(ckpt_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (files or DCP folders) in ckpt_dir;
+    returns what was deleted. Incomplete writes (`*.tmp`, a DCP folder without its extra state)
+    older than the newest complete checkpoint go too: no process is still writing them (the
+    run holds the directory's lock)."""
+    import shutil
+
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (the newest checkpoint is never deleted), got {keep}")
+    ckpt_dir = Path(ckpt_dir)
+    complete = sorted((p for p in ckpt_dir.glob("step-*")
+                       if (p.suffix == ".pt" and p.is_file()) or is_sharded(p)),
+                      key=lambda p: p.name.removesuffix(".pt"))
+    if not complete:
+        return []
+    newest = complete[-1].name.removesuffix(".pt")
+    stale = [p for p in ckpt_dir.glob("step-*") if p not in complete
+             and p.name.removesuffix(".tmp").removesuffix(".pt") < newest]
+    gone = complete[:-keep] + stale
+    for p in gone:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return gone
+
+
 def load_checkpoint(path: str | Path) -> dict:
     """Load with weights_only=True: a checkpoint cannot run code."""
     return torch.load(path, map_location="cpu", weights_only=True)

@@ -118,6 +118,7 @@ class TrainConfig:
     eval_batches: int = _opt(8, "validation batches per evaluation")
     ckpt_dir: str | None = _opt(None, "directory for checkpoints (none: no checkpoints)")
     ckpt_every: int = _opt(0, "save a checkpoint every this many steps (0: only at the end)")
+    keep_last: int = _opt(0, "keep only the newest this many checkpoints in ckpt_dir (0: all)")
     resume: bool = _opt(False, "resume from the newest checkpoint in ckpt_dir, if there is one")
     resume_from: str | None = _opt(None, "resume from this checkpoint file")
     stop_after: int | None = _opt(None, "stop after this step, as if interrupted (for demos)")
@@ -181,13 +182,13 @@ class TrainConfig:
         parse_skips(self.skip_batches)
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError("grad_clip and weight_decay must be >= 0")
-        for name in ("log_every", "eval_every", "ckpt_every"):
+        for name in ("log_every", "eval_every", "ckpt_every", "keep_last"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"stop_after must be >= 1 (or None), got {self.stop_after}")
-        if (self.ckpt_every or self.resume) and not self.ckpt_dir:
-            raise ValueError("ckpt_every and resume need ckpt_dir")
+        if (self.ckpt_every or self.resume or self.keep_last) and not self.ckpt_dir:
+            raise ValueError("ckpt_every, keep_last and resume need ckpt_dir")
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -35,6 +35,7 @@ from ..layout import Layout
 from ..model import Transformer
 from .checkpoint import (
     checkpoint_path,
+    prune_checkpoints,
     is_sharded,
     latest_checkpoint,
     load_checkpoint,
@@ -47,6 +48,7 @@ from .checkpoint import (
 from .config import TrainConfig, layout_for, model_config, parse_skips, read_layout
 from .emulate import convert_linears, recipe
 from .engine import Composed, Plain, global_loss
+from .guard import Guard
 from .hooks import Hook, StepContext, call, replace_batches
 from .init import init_weights
 from .monitor import make_monitors
@@ -117,9 +119,16 @@ class TrainResult:
 
 def train(cfg: TrainConfig, hooks: list[Hook] | tuple[Hook, ...] = ()) -> TrainResult:
     """Train the reference model as configured; returns history and model (see TrainResult).
-    `hooks` run after the configured monitors, in order (`trainbook.train.hooks`)."""
+    `hooks` run after the configured monitors, in order (`trainbook.train.hooks`). For the
+    run's length a `Guard` turns SIGTERM/SIGUSR1 into a checkpoint and a clean stop, exits a
+    torchrun worker whose agent died, and locks the checkpoint directory."""
     gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     ddp = init_distributed("cuda" if gpu else "cpu", cfg.timeout_s)
+    with Guard(cfg.ckpt_dir, ddp.rank) as guard:
+        return _run(cfg, list(hooks), ddp, guard)
+
+
+def _run(cfg: TrainConfig, hooks: list[Hook], ddp: Distributed, guard: Guard) -> TrainResult:
     device = resolve_device(cfg.device, ddp.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -206,9 +215,12 @@ def train(cfg: TrainConfig, hooks: list[Hook] | tuple[Hook, ...] = ()) -> TrainR
     peak = spec.peak_flops(key)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * lay.dp
 
+    saved = [start_step]  # the step of the newest checkpoint on disk
+
     def checkpoint(step):
-        if not cfg.ckpt_dir:
+        if not cfg.ckpt_dir or saved[0] == step:
             return
+        saved[0] = step
         extra = {"loader": loader.state_dict(), "rng": rng_state(), "step": step,
                  "history": history, "model_config": mcfg.to_dict(), "train_config": asdict(cfg),
                  "layout": lay.to_dict()}
@@ -219,6 +231,8 @@ def train(cfg: TrainConfig, hooks: list[Hook] | tuple[Hook, ...] = ()) -> TrainR
             save_checkpoint(checkpoint_path(cfg.ckpt_dir, step), {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(), **extra})
+        if cfg.keep_last and ddp.is_main:
+            prune_checkpoints(cfg.ckpt_dir, cfg.keep_last)
 
     from tqdm.auto import tqdm
     bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps,
@@ -272,6 +286,10 @@ def train(cfg: TrainConfig, hooks: list[Hook] | tuple[Hook, ...] = ()) -> TrainR
             log(f"step {step + 1:5d} | loss {loss_val:.4f} | lr {lr:.2e} "
                 f"| gnorm {rec['grad_norm']:.2f} | {tps:,.0f} tok/s | MFU {rec['mfu']:.1%}")
         if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
+            checkpoint(step + 1)
+        signalled = guard.stop_requested(device)
+        if signalled:  # SIGTERM or the scheduler's warning: checkpoint now, then stop
+            stopped = f"{signalled} received"
             checkpoint(step + 1)
     bar.close()
     done = len(history)
