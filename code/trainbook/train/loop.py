@@ -35,11 +35,11 @@ from ..layout import Layout
 from ..model import Transformer
 from .checkpoint import (
     checkpoint_path,
-    prune_checkpoints,
     is_sharded,
     latest_checkpoint,
     load_checkpoint,
     load_sharded,
+    prune_checkpoints,
     rng_state,
     save_checkpoint,
     save_sharded,
