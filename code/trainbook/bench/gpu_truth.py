@@ -116,6 +116,19 @@ def write_record(out_dir: str | os.PathLike, name: str, record: dict) -> Path:
     return path
 
 
+def read_record(path: str | os.PathLike, measurement: str, writer: str) -> dict:
+    """A stored record of `measurement`, or a ValueError naming the function (`writer`) that
+    writes one."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read a stored {measurement} record from {path}: {e}; write "
+                         f"one with {writer}") from None
+    if record.get("measurement") != measurement:
+        raise ValueError(f"{path} is not a {measurement} record (write one with {writer})")
+    return record
+
+
 # ---- the time budget -----------------------------------------------------------------------------
 
 class Budget:

@@ -11,7 +11,9 @@ and Daly (2006) give the checkpoint interval that minimises that waste.
 
 Symbols: W useful compute time, tau checkpoint interval (compute between checkpoints),
 delta time to write one checkpoint, R restart time, M the cluster's mean time between
-failures (the per-GPU MTBF divided by the number of GPUs).
+failures (the per-GPU MTBF divided by the number of GPUs). delta is derived, not assumed: a
+checkpoint's bytes (`checkpoint_bytes`: the fp32 weights and the optimizer state, from
+`compute.memory`) over the bandwidth the writers get from storage.
 
 Chapter: book/compute/cost.
 """
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from .. import configs, hardware
 from .flops import matmul_params, training_flops_per_token, utilization
+from .memory import state_bytes_per_param
 
 if TYPE_CHECKING:
     import numpy as np
@@ -172,6 +175,32 @@ def mtbf_from_incidents(incidents: int, days: float, gpus: int) -> float:
 # Llama 3 (Dubey et al. 2024, Section 3.3.4): 419 unexpected interruptions in a 54-day snapshot
 # on 16,384 H100s, one per ~50,700 GPU-hours (every ~3 hours for the whole job).
 LLAMA3_MTBF_GPU_HOURS = mtbf_from_incidents(419, 54, 16384)
+
+
+# Llama 3's checkpoint storage: Tectonic, 2 TB/s sustained and 7 TB/s peak (Dubey et al.
+# 2024, Section 3.3.1), shared by the whole 16,384-GPU job (2,048 nodes: ~1 GB/s per node).
+LLAMA3_STORAGE_GBPS = 2000.0
+
+
+def checkpoint_bytes(model: str | Path | configs.ModelConfig, dtype: str = "bf16",
+                     optimizer: str = "adamw") -> dict[str, float]:
+    """Bytes of a full training checkpoint by component: 'weights' in fp32 (under mixed
+    precision the optimizer's master copy: the 16-bit copy is a rounding of it, not saved) and
+    'optimizer' (its per-parameter state: AdamW's two fp32 moments). Gradients are not saved
+    (the next step recomputes them), nor activations. Data position, random state and configs
+    are kilobytes. From compute.memory's bytes per parameter."""
+    cfg = configs.resolve(model)
+    n = configs.param_counts(cfg)["total"]
+    b = state_bytes_per_param(dtype, optimizer)
+    master = 0.0 if dtype == "fp32" else 4.0  # mixed precision: the optimizer holds fp32 weights
+    return {"weights": 4.0 * n, "optimizer": (b["optimizer"] - master) * n}
+
+
+def checkpoint_seconds(nbytes: float, write_gbps: float) -> float:
+    """The stall of a synchronous checkpoint: bytes over the write bandwidth the job gets
+    (decimal GB/s, all writers together)."""
+    return _positive("checkpoint bytes", nbytes) / (_positive("write bandwidth (GB/s)",
+                                                              write_gbps) * 1e9)
 
 
 def young_interval(ckpt_s: float, mtbf_s: float) -> float:

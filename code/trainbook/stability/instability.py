@@ -16,7 +16,6 @@ Chapter: book/stability/loss-spikes.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from ..bench.gpu_truth import header, write_record
+from ..bench.gpu_truth import read_record as read_stored
 from ..configs import ModelConfig
 from ..launch import resolve_device
 from ..model import Transformer
@@ -318,12 +318,7 @@ def write_sweep(path: str | Path, variants: Sequence[str] = tuple(VARIANTS),
 def read_sweep(path: str | Path) -> tuple[dict, pd.DataFrame, dict[tuple[str, float],
                                                                   pd.DataFrame]]:
     """(record, table, histories) from a file write_sweep wrote."""
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read a stored sweep from {path}: {e}") from None
-    if record.get("measurement") != "spikes-sweep":
-        raise ValueError(f"{path} is not a spikes-sweep record (write one with write_sweep)")
+    record = read_stored(path, "spikes-sweep", "instability.write_sweep")
     hist = {}
     for key, cols in record["histories"].items():
         v, lr = key.rsplit("|", 1)

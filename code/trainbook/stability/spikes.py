@@ -17,7 +17,6 @@ Chapter: book/stability/loss-spikes.
 
 from __future__ import annotations
 
-import json
 import random
 import string
 import tempfile
@@ -30,6 +29,7 @@ import pandas as pd
 import torch
 
 from ..bench.gpu_truth import header, write_record
+from ..bench.gpu_truth import read_record as read_stored
 from ..data import load_corpus
 from ..launch import resolve_device
 from ..pretrain.schedules import quiet, scratch_dir
@@ -269,13 +269,7 @@ def write_detector(path: str | Path, seeds: Sequence[int] = (0, 1, 2, 3, 4, 5, 6
 
 def read_detector(path: str | Path) -> tuple[dict, dict[str, dict[int, list[dict]]]]:
     """(record, trial) from a file write_detector wrote; trial as detector_trial returns it."""
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read a stored detector trial from {path}: {e}") from None
-    if record.get("measurement") != "spikes-detector":
-        raise ValueError(f"{path} is not a spikes-detector record (write one with "
-                         "write_detector)")
+    record = read_stored(path, "spikes-detector", "spikes.write_detector")
     trial = {name: {int(s): [dict(zip(cols, vals)) for vals in zip(*cols.values())]
                     for s, cols in runs.items()}
              for name, runs in record["runs"].items()}

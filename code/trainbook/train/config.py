@@ -107,7 +107,8 @@ class TrainConfig:
     embed_scale: float = _opt(1.0, "multiply the token embeddings by this (Gemma: "
                                    "sqrt(d_model))")
     monitor: str = _opt("", "monitors, comma-separated: spikes (loss and update-norm z-scores), "
-                            "nan (stop at the first inf/NaN and name the module)")
+                            "nan (stop at the first inf/NaN and name the module), fingerprint "
+                            "(a per-step digest of the parameters, to compare runs)")
     skip_batches: str = _opt("", "step ranges whose batches are never trained on, e.g. 120-180 "
                                  "(PaLM's restart-and-skip after a spike)")
     seed: int = _opt(0, "seed for initialisation and data order")
@@ -119,6 +120,8 @@ class TrainConfig:
     ckpt_dir: str | None = _opt(None, "directory for checkpoints (none: no checkpoints)")
     ckpt_every: int = _opt(0, "save a checkpoint every this many steps (0: only at the end)")
     keep_last: int = _opt(0, "keep only the newest this many checkpoints in ckpt_dir (0: all)")
+    ckpt_async: bool = _opt(False, "write checkpoints in a background thread: the step pays "
+                                   "for a copy of the state, not the write (one process, DDP)")
     resume: bool = _opt(False, "resume from the newest checkpoint in ckpt_dir, if there is one")
     resume_from: str | None = _opt(None, "resume from this checkpoint file")
     stop_after: int | None = _opt(None, "stop after this step, as if interrupted (for demos)")
@@ -288,7 +291,8 @@ def layout_for(cfg: TrainConfig, world: int, mcfg: configs.ModelConfig) -> Layou
     if composed and cfg.compile:
         raise ValueError("--compile is wired for one process and DDP only")
     whole = {"--dtype fp8-emulated": cfg.dtype == "fp8-emulated",
-             "--monitor nan": "nan" in cfg.monitor}
+             "--monitor nan": "nan" in cfg.monitor, "--ckpt-async": cfg.ckpt_async,
+             "--monitor fingerprint": "fingerprint" in cfg.monitor}
     for option, used in whole.items():
         if composed and used:
             raise ValueError(f"{option} is wired for one process and DDP only; drop it, or "

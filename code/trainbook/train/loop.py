@@ -34,7 +34,10 @@ from ..launch import resolve_device
 from ..layout import Layout
 from ..model import Transformer
 from .checkpoint import (
+    AsyncCheckpointer,
+    check_resume,
     checkpoint_path,
+    data_digest,
     is_sharded,
     latest_checkpoint,
     load_checkpoint,
@@ -180,6 +183,7 @@ def _run(cfg: TrainConfig, hooks: list[Hook], ddp: Distributed, guard: Guard) ->
         engine = Plain(model, train_model, ddp.enabled, autocast, scaler)
     optimizer = make_optimizer(torch.nn.ModuleList(engine.parts), cfg)
     loader = ShardedLoader(data.train, cfg.batch_size, dp_rank, lay.dp, cfg.seed)
+    digest = data_digest(data.train) if cfg.ckpt_dir or cfg.resume_from else None
 
     start_step, history = 0, []
     resume_path = Path(cfg.resume_from) if cfg.resume_from else \
@@ -195,6 +199,7 @@ def _run(cfg: TrainConfig, hooks: list[Hook], ddp: Distributed, guard: Guard) ->
             state = load_checkpoint(resume_path)
         else:
             raise ValueError(f"no checkpoint at {resume_path}")
+        notes = check_resume(state, asdict(cfg), digest, str(resume_path))
         if state["model_config"] != mcfg.to_dict():
             raise ValueError(f"checkpoint {resume_path} holds a different model "
                              f"({state['model_config']['name']}, "
@@ -208,6 +213,8 @@ def _run(cfg: TrainConfig, hooks: list[Hook], ddp: Distributed, guard: Guard) ->
         set_rng_state(state["rng"])
         start_step, history = state["step"], state["history"]
         log(f"resumed from {resume_path} at step {start_step}")
+        for note in notes:
+            log(note)
 
     flops_per_token = training_flops_per_token(mcfg, cfg.seq_len)
     key = peak_dtype(cfg, device)
@@ -216,6 +223,7 @@ def _run(cfg: TrainConfig, hooks: list[Hook], ddp: Distributed, guard: Guard) ->
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * lay.dp
 
     saved = [start_step]  # the step of the newest checkpoint on disk
+    writer = AsyncCheckpointer() if cfg.ckpt_async else None
 
     def checkpoint(step):
         if not cfg.ckpt_dir or saved[0] == step:
@@ -223,14 +231,19 @@ def _run(cfg: TrainConfig, hooks: list[Hook], ddp: Distributed, guard: Guard) ->
         saved[0] = step
         extra = {"loader": loader.state_dict(), "rng": rng_state(), "step": step,
                  "history": history, "model_config": mcfg.to_dict(), "train_config": asdict(cfg),
-                 "layout": lay.to_dict()}
+                 "layout": lay.to_dict(), "data_sha256": digest}
         if composed:
             save_sharded(checkpoint_path(cfg.ckpt_dir, step, sharded=True), engine.parts,
                          optimizer, extra)
         elif ddp.is_main:
-            save_checkpoint(checkpoint_path(cfg.ckpt_dir, step), {
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict(), **extra})
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scaler": scaler.state_dict(), **extra}
+            prune = (lambda: prune_checkpoints(cfg.ckpt_dir, cfg.keep_last)) \
+                if cfg.keep_last else None
+            if writer:  # copy now, write in the background (then prune)
+                writer.save(checkpoint_path(cfg.ckpt_dir, step), state, after=prune)
+                return
+            save_checkpoint(checkpoint_path(cfg.ckpt_dir, step), state)
         if cfg.keep_last and ddp.is_main:
             prune_checkpoints(cfg.ckpt_dir, cfg.keep_last)
 
@@ -297,6 +310,8 @@ def _run(cfg: TrainConfig, hooks: list[Hook], ddp: Distributed, guard: Guard) ->
         log(f"stopped after step {done}: {stopped}")
     if cfg.ckpt_dir and not cfg.ckpt_every:
         checkpoint(done)
+    if writer:
+        writer.wait()  # the last checkpoint is on disk before the run returns
     val = engine.evaluate(data.val, cfg.batch_size, cfg.eval_batches, device)
     if cfg.log_every:
         log(f"done: {done} steps, validation loss {val:.4f}")

@@ -9,11 +9,17 @@ again with hooks on every module and reports the first tensor, in execution orde
 one (a module's weight, input or output; in backward, the gradient arriving at a module or the
 one it passes on), with its module, shape and count of bad elements.
 
-Chapter: book/stability/loss-spikes (spikes); book/stability/debugging (NaN).
+`Fingerprint` (`--monitor fingerprint`) adds a cheap digest of the parameters after every
+step to the history row: their float64 sum and sum of squares and a hash of a strided sample,
+so two runs can be compared step by step and the first step where they differ found.
+
+Chapter: book/stability/loss-spikes (spikes); book/stability/debugging (NaN);
+book/failures/exact-resume (fingerprint).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
 from collections import deque
@@ -26,7 +32,7 @@ from torch import nn
 
 from .hooks import Hook, StepContext, StopTraining
 
-MONITORS = ("spikes", "nan")
+MONITORS = ("spikes", "nan", "fingerprint")
 
 
 class SpikeMonitor(Hook):
@@ -318,6 +324,37 @@ class NanMonitor(Hook):
         raise StopTraining(f"non-finite {what} at step {ctx.step}{where}")
 
 
+class Fingerprint(Hook):
+    """After every step, a digest of the parameters in the history row: `fp_sum` and
+    `fp_sumsq` (float64 sum and sum of squares over every element) and `fp_hash` (16 hex digits
+    of a blake2b over every `stride`-th element of each tensor, at most `sample` per tensor, as
+    raw bytes). Equal runs give equal digests; a difference in one bit of a sampled element, or
+    in any element at the sums' precision, changes them. On a GPU the sums are two reductions
+    over the weights (cheaper than an optimizer step) and the hash reads a few kB."""
+
+    def __init__(self, sample: int = 1024):
+        if sample < 1:
+            raise ValueError(f"sample must be >= 1, got {sample}")
+        self.sample = sample
+
+    @torch.no_grad()
+    def digest(self, model: nn.Module) -> dict:
+        """The fingerprint of a model's parameters now."""
+        total = squares = 0.0
+        h = hashlib.blake2b(digest_size=8)
+        for p in model.parameters():
+            flat = p.detach().reshape(-1)
+            wide = flat.double()
+            total += float(wide.sum())
+            squares += float(wide.square().sum())
+            picked = flat[::max(1, flat.numel() // self.sample)][:self.sample]
+            h.update(picked.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return {"fp_sum": total, "fp_sumsq": squares, "fp_hash": h.hexdigest()}
+
+    def after_update(self, ctx: StepContext) -> None:
+        ctx.record.update(self.digest(ctx.model))
+
+
 def make_monitors(names: str, fp16_scaling: bool = False) -> list[Hook]:
     """The monitors a comma-separated `--monitor` value names ('' for none)."""
     chosen = [n.strip() for n in names.split(",") if n.strip()]
@@ -325,4 +362,6 @@ def make_monitors(names: str, fp16_scaling: bool = False) -> list[Hook]:
     if unknown:
         raise ValueError(f"unknown monitor {unknown[0]!r}; choose from {', '.join(MONITORS)} "
                          "(comma-separated)")
-    return [SpikeMonitor() if n == "spikes" else NanMonitor(fp16_scaling) for n in chosen]
+    make = {"spikes": SpikeMonitor, "nan": lambda: NanMonitor(fp16_scaling),
+            "fingerprint": Fingerprint}
+    return [make[n]() for n in chosen]
