@@ -39,6 +39,7 @@ TINY = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", 
 TERMINAL = ("COMPLETED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED")
 LEAD_IN_S = 18  # submit this long before slurmctld's next check: start-up, then ~10 s training
+TRAIN_S = 30.0  # a job this long (measured on this machine) outlives its first attempt anywhere
 
 
 def demo_spec(steps: int, ckpt_dir: str = "ckpt", signal_lead_s: int = 50,
@@ -83,13 +84,30 @@ def _submit_on_phase(cluster: Cluster, script: Path, lead_in_s: float) -> int:
     return cluster.submit(script, cwd=script.parent)
 
 
-def requeue_run(cluster: Cluster, workdir: str | Path, steps: int = 1500,
+def steps_for(seconds: float, workdir: str | Path, timeout_s: float = 120) -> int:
+    """The number of demo steps that 2 ranks train in about `seconds` on this machine (measured
+    with a short plain torchrun run), so the job needs more than one attempt on a fast CPU and
+    not too many on a slow one. At least 1,500, at most 100,000."""
+    if not seconds > 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    out = Path(workdir) / "calibrate.json"
+    torchrun(["train", *TINY, "--steps", "300", "--json-out", str(out)], nprocs=2,
+             timeout_s=timeout_s, cwd=workdir)
+    times = sorted(r["step_time_s"] for r in json.loads(out.read_text())["history"][20:])
+    return int(min(100_000, max(1500, seconds / times[len(times) // 2])))
+
+
+def requeue_run(cluster: Cluster, workdir: str | Path, steps: int | None = 1500,
                 timeout_s: float = 240, max_attempts: int = 6,
                 lead_in_s: float = LEAD_IN_S) -> dict[str, Any]:
     """Run the demo job to the end, releasing each requeued attempt; the same run under plain
-    torchrun in parallel, as the reference. Returns what happened (see the module doc)."""
+    torchrun in parallel, as the reference. Returns what happened (see the module doc).
+    `steps=None`: as many as take TRAIN_S seconds here (`steps_for`): a fixed count finishes
+    inside the first attempt on a fast machine, and then nothing is requeued."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    if steps is None:
+        steps = steps_for(TRAIN_S, workdir)
     spec = demo_spec(steps, ckpt_dir=str(workdir / "ckpt"))
     script = workdir / "train.sbatch"
     script.write_text(sbatch_script(spec, "trainbook.failures.slurm_requeue.demo_spec"))
