@@ -67,6 +67,27 @@ def test_goodput_driver_kills_restarts_and_recovers_bit_for_bit(tmp_path):
     assert c["step_s"] > 0 and c["restart_s"] > 0
 
 
+def test_stored_goodput_sweep_agrees_with_young_daly_within_noise():
+    """The stored sweep: every killed run recovered bit for bit, its model rows are what the
+    model gives for its measured costs, and the interval the model picks is the best measured
+    one within two standard errors (the chapter asserts the same)."""
+    rec = G.read_sweep(DATA / "fault-tolerance-goodput.json")
+    assert all(r["losses_equal_reference"] for r in rec["runs"])
+    assert {(r["ckpt_every"], r["seed"]) for r in rec["runs"]} == \
+        {(k, s) for k in rec["intervals"] for s in rec["seeds"]}
+    costs = G.Costs(**rec["costs"])
+    assert costs == G.pooled_costs(rec["runs"])
+    again = G.model_rows(costs, rec["steps"], rec["intervals"], rec["mtbf_s"])
+    assert [pytest.approx(r) for r in again] == rec["model_rows"]
+    rows = {r["ckpt_every"]: r for r in G.summarize(rec)}
+    best = min(rows, key=lambda k: rows[k]["measured_wall_s"])
+    pick = min(rows, key=lambda k: rows[k]["model_wall_s"])
+    slack = rows[best]["measured_sem_s"] + rows[pick]["measured_sem_s"]
+    assert rows[pick]["measured_wall_s"] <= rows[best]["measured_wall_s"] + slack
+    young = rec["model_rows"][0]["young_steps"]
+    assert pick == min(rows, key=lambda k: abs(k - young))
+
+
 def _attempt(started, first_step, steps, resumed, killed, dt=0.1, ckpt_every=2, delta=0.3):
     rows, t = [], first_step
     for s in steps:
