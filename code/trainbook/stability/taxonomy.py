@@ -4,8 +4,8 @@ where this book reproduces it, and the fix; and a decision procedure from sympto
 `FAILURES` is the list of `Failure` records; `failure_table` renders it, `decision_table` the
 procedure (`DECISIONS`). Every record that names a reproduction names a chapter (a path under
 book/) and a package function (a dotted name); `check_records` resolves both, so a moved
-chapter or a renamed function fails the tests. Failures this book does not reproduce yet (hangs
-and desynchronisation: Part 6) say so in `future` instead.
+chapter or a renamed function fails the tests. A failure the book does not reproduce would say
+where it will be in `future` instead (none today: hangs are planted in Part 6's hangs chapter).
 
 `signature_runs` trains small versions of the cheap failures side by side on the CPU proxy of
 the loss-spikes chapter, each recorded by the monitors that show it: a healthy run, a divergence
@@ -157,8 +157,8 @@ FAILURES: list[Failure] = [
             "watchdog times out",
             "a rank took another code path (a data-dependent branch, a failed load), or a "
             "node or link failed",
-            "timeouts on every collective, flight recorder and stack dumps; Part 6",
-            future="Part 6 (failures and recovery: debugging hangs), not yet written"),
+            "timeouts on every collective, flight recorder and stack dumps",
+            "failures/hangs", "trainbook.failures.hangs.plant"),
 ]
 
 DECISIONS: list[dict[str, str]] = [
