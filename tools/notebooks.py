@@ -24,15 +24,27 @@ def repository(config: Path = ROOT / "_config.yml") -> tuple[str, str]:
     return url, branch
 
 
-def first_cell_source() -> str:
+# Extras a part's chapters need beyond [notebook] (pyproject's optional dependencies): Part 7
+# checks its methods against transformers, peft, trl, lm-eval and bitsandbytes.
+PART_EXTRAS = {"alignment": "notebook,align"}
+
+
+def extras_for(path: Path | None) -> str:
+    """The extras the first cell installs for the notebook at `path` (its part's folder)."""
+    part = path.parent.name if path is not None else ""
+    return PART_EXTRAS.get(part, "notebook")
+
+
+def first_cell_source(path: Path | None = None) -> str:
     url, branch = repository()
+    package = f"trainbook[{extras_for(path)}]"
     return (
         f"{MARKER}: in Colab, install trainbook from the repository and branch the book was\n"
         "# built from (_config.yml); elsewhere use the installed package. "
         "Then seed, pick the size.\n"
         "import sys\n"
         "if \"google.colab\" in sys.modules:\n"
-        f"    %pip install -q \"trainbook[notebook] @ git+{url}@{branch}#subdirectory=code\"\n"
+        f"    %pip install -q \"{package} @ git+{url}@{branch}#subdirectory=code\"\n"
         "from trainbook import nb\n"
         "ctx = nb.setup()"
     )
@@ -47,7 +59,7 @@ def problems(path: Path) -> list[str]:
     nb = json.loads(path.read_text())
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     found = []
-    if not code or "".join(code[0]["source"]) != first_cell_source():
+    if not code or "".join(code[0]["source"]) != first_cell_source(path):
         found.append("the first code cell is not the standard first cell "
                      "(run: python tools/notebooks.py stamp)")
     if any(c.get("outputs") or c.get("execution_count") for c in code):
@@ -62,7 +74,7 @@ def problems(path: Path) -> list[str]:
 def stamp(path: Path) -> None:
     nb = json.loads(path.read_text())
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
-    src = first_cell_source().splitlines(keepends=True)
+    src = first_cell_source(path).splitlines(keepends=True)
     if code and "".join(code[0]["source"]).startswith(MARKER):
         code[0]["source"] = src
     else:  # insert it before the first code cell (a title cell may stay above it)
