@@ -132,3 +132,14 @@ def test_one_name_per_size_and_defaults_follow_with():
     assert configs.ModelConfig(**cfg.to_dict()) == cfg and "_derived" not in cfg.to_dict()
     for gone in ("kv_heads", "dim_head", "ffn_dim"):  # the look-alike second names
         assert not hasattr(cfg, gone)
+
+
+def test_rope_theta_is_read_from_transformers_v5_rope_parameters():
+    """v5 configs keep theta in rope_parameters (v4 at the top level): both are read."""
+    from transformers import LlamaConfig
+
+    v5 = LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 5e5}).to_dict()
+    assert "rope_theta" not in v5 or v5.get("rope_theta") is None
+    assert configs.from_hf_config(v5).rope_theta == 5e5
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"} | {"rope_theta": 2e5}
+    assert configs.from_hf_config(v4).rope_theta == 2e5

@@ -26,6 +26,8 @@ LAYERS = {  # top-level name under trainbook -> layer
 }
 PART_DEPS: dict[str, set[str]] = {  # part -> the other parts it may import
     "stability": {"precision", "pretrain"},
+    "align": {"pretrain"},  # the evaluation chapter reuses pretraining's loss, dedup and BPE
+    "frontier": {"align", "pretrain", "parallel"},  # Part 8 builds on Parts 2, 5 and 7
 }
 
 

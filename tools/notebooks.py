@@ -25,8 +25,8 @@ def repository(config: Path = ROOT / "_config.yml") -> tuple[str, str]:
 
 
 # Extras a part's chapters need beyond [notebook] (pyproject's optional dependencies): Part 7
-# checks its methods against transformers, peft, trl, lm-eval and bitsandbytes.
-PART_EXTRAS = {"alignment": "notebook,align"}
+# checks its methods against transformers, peft, trl, lm-eval and bitsandbytes; Part 8 builds on it.
+PART_EXTRAS = {"alignment": "notebook,align", "frontier": "notebook,align"}
 
 
 def extras_for(path: Path | None) -> str:

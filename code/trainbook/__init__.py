@@ -5,6 +5,7 @@ Chapter: book/how-to-use.
 
 from __future__ import annotations
 
+import logging as _logging
 import os as _os
 
 __version__ = "0.1.0"
@@ -19,3 +20,9 @@ if _os.environ.get(SLOW_LOWP_ENV, "").strip() not in ("", "0"):
     import torch as _torch
 
     _torch.backends.mkldnn.enabled = False
+
+# bitsandbytes (imported by transformers' optimisation utilities) looks on CPUs with AVX512-BF16
+# for a 4-bit kernel on the Hugging Face Hub through the optional `kernels` package, and logs a
+# warning to stderr when it is absent. The book never downloads at run time, so the built-in
+# fallback is the intended path; the warning would fail the book build (stderr is an error).
+_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)

@@ -252,7 +252,9 @@ def from_hf_config(source: str | Path | dict, name: str | None = None) -> ModelC
         max_seq_len=field("max_position_embeddings"),
         tie_embeddings=hf.get("tie_word_embeddings", False), qkv_bias=kind == "qwen2",
         norm_eps=field("rms_norm_eps", default=1e-5),
-        rope_theta=float(field("rope_theta", default=1e4)),
+        # transformers v5 writes theta inside rope_parameters; v4 configs have it at the top
+        rope_theta=float((hf.get("rope_parameters") or {}).get("rope_theta")
+                         or field("rope_theta", default=1e4)),
         n_experts=hf.get("num_local_experts") or 1, top_k=hf.get("num_experts_per_tok") or 1,
         qk_norm=kind == "qwen3",
     )

@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,6 +36,9 @@ from ..bench.gpu_truth import header, read_record, write_record
 from ..model import Transformer
 from ..train.config import TrainConfig, model_config
 from . import policy, task
+
+if TYPE_CHECKING:
+    from ..train import TrainResult
 
 WEIGHTS = Path(__file__).with_name("weights")
 EVAL_ITEMS = 500  # test items the shipped record's accuracy is measured on (seed 0)
@@ -72,7 +76,7 @@ def train_config(recipe: BaseRecipe, corpus: str, tokenizer: str) -> TrainConfig
                        log_every=0, eval_batches=2, progress=False)
 
 
-def pretrain(recipe: BaseRecipe = BaseRecipe()):
+def pretrain(recipe: BaseRecipe = BaseRecipe()) -> TrainResult:
     """Run the trainer on the raw arithmetic corpus; returns its `TrainResult`."""
     from ..train import train
 

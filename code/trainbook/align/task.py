@@ -55,7 +55,8 @@ def _whole(name: str, value, least: int) -> int:
     return value
 
 
-def check_fields(obj, positive: Sequence[str] = (), non_negative: Sequence[str] = ()) -> None:
+def check_fields(obj: object, positive: Sequence[str] = (),
+                 non_negative: Sequence[str] = ()) -> None:
     """Raise ValueError naming the first field of a settings dataclass that is not a number of
     the right sign (whole where the default is whole). For the settings classes of Part 7."""
     for name in (*positive, *non_negative):
