@@ -40,6 +40,7 @@ RAN: Counter = Counter()  # cases run, by kind (printed at the end)
 
 # A valid command line for each command: the case changes one option of it. Commands not listed
 # (added since) get their generic cases (unknown option, missing required, wrong type) only.
+ALIGN_DATA = Path(__file__).resolve().parents[1] / "book" / "alignment" / "data"  # stored policies
 BASE: dict[str, list[str]] = {
     "params": ["--model", "tiny-llama"],
     "hardware": [],
@@ -61,6 +62,17 @@ BASE: dict[str, list[str]] = {
     "plan": ["--model", "llama-3-8b", "--gpus", "8", "--global-batch-tokens", "1048576",
              "--seq-len", "8192"],
     "slurm": ["--output", "job.sbatch"],
+    "export-hf": ["--checkpoint", "ckpt.pt", "--out", "hf"],
+    "import-hf": ["hf", "--out", "model.pt"],
+    "eval": ["base", "--items", "5"],
+    "collapse": ["--out", "collapse.json"],
+    "lora": ["--model", "tiny-llama"],
+    "moe-params": ["--model", "mixtral-8x7b"],
+    "multimodal": ["--model", "llama-2-7b"],
+    "dpo": ["--steps", "1", "--prompts", "32", "--eval-items", "2"],
+    "grpo": ["--steps", "1", "--prompts", "2", "--group", "2", "--eval-items", "2"],
+    "reward-model": ["--start", str(ALIGN_DATA)],
+    "ppo": ["--start", str(ALIGN_DATA), "--reward", str(ALIGN_DATA)],
     "tp": [],
     "zero": [],
 }
@@ -100,6 +112,7 @@ def _stubs(monkeypatch):
     """Stop accepted input where the work starts; pretend to be rank 0 of 2 under torchrun, so
     the torchrun commands check their input against a world size."""
     import trainbook.train as train_pkg
+    from trainbook.align import ppo_study, reward_study
     from trainbook.bench import hf, matmul
     from trainbook.commands import _torchrun, gpumeasure
 
@@ -108,6 +121,9 @@ def _stubs(monkeypatch):
     monkeypatch.setattr(matmul, "sweep", _reached)
     monkeypatch.setattr(gpumeasure, "_Run", _reached)
     monkeypatch.setattr(_torchrun, "process_group", _reached)
+    monkeypatch.setattr(ppo_study, "write_runs", _reached)
+    monkeypatch.setattr(reward_study, "write_reward_model", _reached)
+    monkeypatch.setattr(reward_study, "write_overopt", _reached)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
 

@@ -1,0 +1,24 @@
+"""Part 8, Frontier: one package for the part, a few modules per chapter, each building on the
+trainer's hooks (`trainbook.train.hooks`) and on the earlier parts' from-scratch pieces.
+
+For training mixture-of-experts models: `moe_router` (the three routers people use: Mixtral's
+softmax over the top-k logits, Switch's top-k of the softmax, DeepSeek-V3's sigmoid; the
+load-balancing loss in the conventions people write it; load statistics), `moe_layer` (the MoE
+layer with those seams, swapped into the reference model by a trainer hook, with capacity,
+auxiliary losses through the backward pass, bias balancing, shared experts and upcycling),
+`moe_runs` (one proxy run over the trainer and what is read off its history), `moe_studies`
+(the chapter's experiments: collapse and its fixes, capacity, dense against MoE at equal active
+FLOPs, expert granularity, upcycling; stored with their provenance) and `moe_accounting` (total
+and active parameters and FLOPs of Mixtral 8x7B and DeepSeek-V3 from their config.json,
+against what their authors print). The part's other chapters add their own modules here.
+
+For synthetic data loops: `synthetic` (rejection sampling with a verifier, deduplication,
+self-instruct, teacher labels; the stored rounds), `synthetic_sources` (what each source of
+data buys at equal fine-tuning steps, stored) and `collapse` (the Gaussian refit's closed forms
+and simulation; the reference model trained on its own samples), taught in
+book/frontier/synthetic-data.
+
+Chapter: book/frontier/moe.
+"""
+
+from __future__ import annotations
