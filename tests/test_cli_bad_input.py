@@ -480,13 +480,16 @@ def test_keyboard_interrupt_is_one_line_and_130(monkeypatch, capsys):
 
 
 def test_ctrl_c_during_training_exits_130_without_traceback(tmp_path):
-    """A real SIGINT to a real training run, after its first log line."""
+    """A real SIGINT to a real training run, after its first log line. The child gets SIGINT's
+    default disposition: a shell without job control (`pytest ... &`, nohup) starts its
+    background jobs with SIGINT ignored, Python keeps it ignored, and Ctrl-C would never arrive."""
     argv = [sys.executable, "-u", "-m", "trainbook", "train", "--d-model", "32", "--n-layers",
             "1", "--n-heads", "2", "--n-kv-heads", "1", "--d-ff", "32", "--tokenizer", "bytes",
             "--seq-len", "16", "--batch-size", "2", "--steps", "100000", "--warmup-steps", "1",
             "--log-every", "1", "--no-progress", "--cache-dir", str(tmp_path)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path, env=_env())
+                            cwd=tmp_path, env=_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     guard = threading.Timer(180, proc.kill)  # a run that never logs a step cannot hang the test
     guard.start()
     try:

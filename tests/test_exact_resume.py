@@ -30,13 +30,16 @@ def fingerprinted(cfg: TrainConfig) -> list[dict]:
 
 def test_sigkill_mid_accumulation_and_mid_write_resumes_bit_for_bit(tmp_path):
     cfg = C.tiny_config(steps=8, grad_accum=2, ckpt_every=2, ckpt_dir=str(tmp_path / "ckpt"))
-    kills = [R.Kill("accum", 4, micro=1), R.Kill("write")]
+    kills = [R.Kill("accum", 4, micro=1), R.Kill("write"), R.Kill("write")]
     run = R.run_with_kills(cfg, kills, workdir=tmp_path, timeout_s=TIMEOUT_S)
     a = run.attempts
-    assert [x.fired for x in a] == [True, True, False] and a[-1].returncode == 0
+    assert [x.fired for x in a] == [True, True, True, False] and a[-1].returncode == 0
     assert a[0].returncode == -9 and a[0].last_logged == 3  # died inside step 4
     assert a[1].resumed_from == 2 and a[1].left_tmp == ["step-000004.pt.tmp"]  # mid-write
-    assert a[2].resumed_from == 2  # the half-written step 4 was not taken for a checkpoint
+    # the half-written step 4 was not taken for a checkpoint, and the file it left behind did
+    # not fire the next 'write' kill at launch: that one waited for this attempt's own write
+    assert a[2].resumed_from == 2 and a[2].last_logged == a[1].last_logged > 2
+    assert a[3].resumed_from == 2
     assert R.first_divergence(run.history, fingerprinted(cfg)) is None
     assert {"fp_sum", "fp_sumsq", "fp_hash"} <= set(run.history[-1])
 
@@ -128,6 +131,9 @@ def test_the_stored_campaign_is_bit_exact_and_its_run_is_this_trainers():
             + [False] and run["attempts"][-1]["returncode"] == 0
         kinds = {a["kill"]["kind"] for a in run["attempts"] if a["fired"]}
         assert kinds == set(R.KINDS)
+        for a in run["attempts"]:  # a 'write' kill hit this attempt's own write, after a step
+            if a["fired"] and a["kill"]["kind"] == "write":
+                assert a["last_logged"] > a["resumed_from"] and a["left_tmp"], a
     fresh = fingerprinted(TrainConfig(**{**record["config"], "ckpt_every": 0, "keep_last": 0,
                                          "stop_after": 5, "progress": False, "log_every": 0}))
     stored = record["runs"][0]["reference"][:5]

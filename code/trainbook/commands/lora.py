@@ -32,7 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layers to adapt: q k v o gate up down, q_proj ... down_proj, or "
                         "all-linear (default; every linear layer but the output head)")
     p.add_argument("--quant", choices=("none", "nf4"), default="none",
-                   help="nf4: QLoRA, the targeted weights in NF4 with double quantisation")
+                   help="nf4: QLoRA: every linear layer of the blocks stored in NF4 with double "
+                        "quantisation (as transformers' 4-bit loading does), adapters on the "
+                        "targeted ones")
     p.add_argument("--dropout", type=finite_float, default=0.0,
                    help="LoRA dropout probability in [0, 1) (default 0, peft's default)")
     p.add_argument("--micro-batch", type=positive_int, default=lora_memory.DEFAULTS["micro_batch"],

@@ -5,7 +5,8 @@ until it finishes, and compare the stitched run with an uninterrupted one, step 
 the same under `torchrun --standalone --nproc_per_node N`: a kill takes agent and workers, as a
 node failure does) and sends SIGKILL when a `Kill` fires: after a given step is logged
 ('step'), a delay after training started ('time'), while a checkpoint file is being written
-('write': TRAINBOOK_CKPT_WRITE_MBPS slows the write, the kill waits for the temporary file), or
+('write': TRAINBOOK_CKPT_WRITE_MBPS slows the write, the kill waits for a temporary file this
+attempt writes; one a killed attempt left behind does not count), or
 between two micro-batches of gradient accumulation on a chosen rank ('accum': a hook in the
 worker kills its own process). With `--monitor fingerprint` every history row holds a digest of
 the parameters, so `first_divergence` finds the first step where two runs differ. `campaign`
@@ -182,6 +183,19 @@ def _reader(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
+def _temporary_files(ckpt_dir: str) -> dict[Path, tuple[int, int]]:
+    """Each half-written checkpoint file with its (mtime, size): a 'write' kill fires on a file
+    this attempt writes, not on one a killed attempt left behind (same name included)."""
+    found = {}
+    for p in Path(ckpt_dir).glob("step-*.tmp"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:  # renamed into place between glob and stat
+            continue
+        found[p] = (st.st_mtime_ns, st.st_size)
+    return found
+
+
 def _launch(cfg: TrainConfig, nprocs: int, kill: Kill | None, workdir: Path,
             timeout_s: float, rate_mbps: float) -> tuple[Attempt, Path]:
     out = workdir / "run.json"
@@ -191,6 +205,7 @@ def _launch(cfg: TrainConfig, nprocs: int, kill: Kill | None, workdir: Path,
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if kill is not None and kill.kind == "write":
         env[RATE_ENV] = str(rate_mbps)
+    stale = _temporary_files(cfg.ckpt_dir)
     t0 = time.monotonic()
     proc = subprocess.Popen(_command(cfg, nprocs, kill, workdir, out), stdout=subprocess.PIPE,
                             stderr=open(workdir / "stderr.txt", "a"), text=True, cwd=workdir,
@@ -218,7 +233,8 @@ def _launch(cfg: TrainConfig, nprocs: int, kill: Kill | None, workdir: Path,
                 continue
             hit = (kill.kind == "step" and last >= kill.at) or \
                 (kill.kind == "time" and started and time.monotonic() - started >= kill.at) or \
-                (kill.kind == "write" and any(Path(cfg.ckpt_dir).glob("step-*.tmp")))
+                (kill.kind == "write" and any(stale.get(p) != s for p, s in
+                                          _temporary_files(cfg.ckpt_dir).items()))
             if hit:
                 kill_job(proc.pid)  # the whole job, as when a node dies
                 fired = True
