@@ -24,6 +24,7 @@ import os
 import queue
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -40,6 +41,7 @@ from ..train.checkpoint import RATE_ENV
 from ..train.hooks import Batches, Hook
 
 KINDS = ("step", "time", "write", "accum")
+TIME_KILL_STEPS = 3  # a campaign's 'time' kills fall within this many steps of training
 EXACT_KEYS = ("loss", "grad_norm", "lr", "fp_sum", "fp_sumsq", "fp_hash")
 
 
@@ -338,10 +340,15 @@ def reference(cfg: TrainConfig, nprocs: int = 1, workdir: str | Path | None = No
 def campaign(cfg: TrainConfig, n_kills: int, nprocs: int = 1, seed: int = 0,
              workdir: str | Path | None = None, timeout_s: float = 300) -> dict:
     """Random kills (random_kills) through a whole run, and the uninterrupted run to compare:
-    the attempts, the first divergence (None: bit for bit) and the histories."""
-    kills = random_kills(n_kills, cfg.steps, cfg.grad_accum, nprocs, seed)
+    the attempts, the first divergence (None: bit for bit) and the histories. A 'time' kill
+    waits up to TIME_KILL_STEPS of the uninterrupted run's median step time: a fixed delay in
+    seconds covers 5 steps on a loaded CPU and 20 on an idle one, and then the restarted run
+    is already past the 'step' and 'accum' kills drawn after it."""
     whole = reference(replace(cfg, ckpt_dir=str(Path(cfg.ckpt_dir) / "whole")), nprocs,
                       workdir, timeout_s)
+    step_s = statistics.median(row["step_time_s"] for row in whole)
+    kills = random_kills(n_kills, cfg.steps, cfg.grad_accum, nprocs, seed,
+                         max_delay_s=TIME_KILL_STEPS * step_s)
     killed = run_with_kills(replace(cfg, ckpt_dir=str(Path(cfg.ckpt_dir) / "killed")), kills,
                             nprocs, workdir, timeout_s)
     return {"nprocs": nprocs, "seed": seed, "kills": [asdict(k) for k in kills],
