@@ -169,11 +169,14 @@ def test_hf_reward_model_scores_like_ours():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("center, margin", [(None, False), (0.01, True)])
-def test_loss_and_gradients_equal_trls_reward_trainer(center, margin):
+def test_loss_and_gradients_equal_trls_reward_trainer(center, margin, capfd):
     lm = base.base_model()
     rm = reward.RewardModel(lm, seed=1)
     pairs = P.constructed_pairs(task.make_problems(12, seed=4), seed=2)
+    capfd.readouterr()
     out = reward_trl.compare_trl(rm, TOK, pairs, center, margin)
+    # nothing on stderr: datasets' progress bars (trl's tokenisation) became notebook widgets
+    assert "examples/s" not in capfd.readouterr().err
     assert out.same_ids
     assert out.reward_diff < 1e-5 and out.loss_diff < 1e-6
     assert out.score_grad_diff < 1e-6 and out.embed_grad_diff < 1e-6

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainbook import configs
-from trainbook.align import sft, sft_data, sft_packing, sft_study, sft_trl, task
+from trainbook.align import lora_check, sft, sft_data, sft_packing, sft_study, sft_trl, task
 from trainbook.model import Transformer
 
 TOK = task.chat_tokenizer()
@@ -114,7 +114,7 @@ def test_best_fit_decreasing_is_trls_bfd(lengths, capacity):
     from datasets import Dataset
     from trl import pack_dataset
 
-    with sft_trl.silent():
+    with lora_check.quiet():
         ds = Dataset.from_dict({"input_ids": [[i] * n for i, n in enumerate(lengths)]})
         rows = pack_dataset(ds, capacity, "bfd")["input_ids"]
     theirs = [sorted(set(r), key=r.index) for r in rows]

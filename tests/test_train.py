@@ -87,6 +87,20 @@ def test_bf16_autocast_trains(cache_dir):
     assert r.losses()[-1] < r.losses()[0]
 
 
+def test_fp16_autocast_trains_with_a_grad_scaler_and_resumes_bit_for_bit(cache_dir, tmp_path):
+    """`train --dtype fp16`: autocast fp16 with torch.amp.GradScaler; the scaler's state is in the
+    checkpoint, so a resumed run takes the same steps (and skips) as the uninterrupted one."""
+    full = train(tiny(cache_dir, steps=8, dtype="fp16", ckpt_dir=str(tmp_path / "full")))
+    losses = full.losses()
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    state = load_checkpoint(tmp_path / "full" / "step-000008.pt")
+    assert state["scaler"]["scale"] > 1 and state["scaler"]["_growth_tracker"] >= 0
+    part = tiny(cache_dir, steps=8, dtype="fp16", ckpt_dir=str(tmp_path / "part"), stop_after=5)
+    train(part)
+    resumed = train(dataclasses.replace(part, stop_after=None, resume=True))
+    assert resumed.losses() == losses
+
+
 def test_model_config_overrides(cache_dir):
     cfg = model_config(tiny(cache_dir), 384)
     assert (cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.max_seq_len) == (32, 2, 384, 32)

@@ -67,12 +67,8 @@ class LossComparison(Comparison):
 
 @contextlib.contextmanager
 def quiet_trl() -> contextlib.AbstractContextManager:
-    """`lora_check.quiet` (transformers' logs and bars, deprecation warnings) plus what a trl run
-    writes to stderr besides: datasets' progress bars, trl's own warnings."""
-    import datasets
-
-    bars = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
+    """`lora_check.quiet` (transformers' logs, transformers' and datasets' bars, deprecation
+    warnings) plus trl's own warnings."""
     log = logging.getLogger("trl")
     level = log.level
     log.setLevel(logging.ERROR)
@@ -82,8 +78,6 @@ def quiet_trl() -> contextlib.AbstractContextManager:
             yield
     finally:
         log.setLevel(level)
-        if bars:
-            datasets.enable_progress_bars()
 
 
 def _common_args(folder: str, batch: int) -> dict:

@@ -63,14 +63,22 @@ PEFT_ADAPTER = "default"  # peft's adapter name: lora_A["default"]
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Silence what the libraries write to stderr on a normal CPU run: bitsandbytes' import
-    warning, transformers' progress bars and info logs, deprecation warnings."""
+    warning, transformers' progress bars and info logs, datasets' progress bars (trl's dataset
+    preparation; a notebook shows each as a widget), deprecation warnings."""
     import transformers
 
+    try:
+        import datasets
+    except ImportError:  # trl's dependency: absent where only peft is installed
+        datasets = None
     logging.getLogger(BNB_LOGGER).setLevel(logging.ERROR)
     tlog = transformers.utils.logging
     level, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
+    data_bars = datasets is not None and datasets.is_progress_bar_enabled()
     tlog.set_verbosity_error()
     tlog.disable_progress_bar()
+    if data_bars:
+        datasets.disable_progress_bars()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -80,6 +88,8 @@ def quiet() -> Iterator[None]:
         tlog.set_verbosity(level)
         if bars:
             tlog.enable_progress_bar()
+        if data_bars:
+            datasets.enable_progress_bars()
 
 
 def require(name: str) -> ModuleType:

@@ -26,10 +26,9 @@ Chapter: book/alignment/sft
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,22 +141,6 @@ def trainer(hf_model: nn.Module, tok: ChatTokenizer, data: Any, args: Any) -> An
     return out
 
 
-@contextlib.contextmanager
-def silent() -> Iterator[None]:
-    """`lora_check.quiet` (transformers' logs and bars, deprecation warnings) and datasets'
-    progress bars, which trl's dataset preparation writes to stderr."""
-    import datasets
-
-    bars = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        with quiet():
-            yield
-    finally:
-        if bars:
-            datasets.enable_progress_bars()
-
-
 def trl_examples(model: nn.Module, tok: ChatTokenizer, items: Sequence[Problem],
                  form: str = "prompt-completion") -> list[tuple[list[int], list[int]]]:
     """(input_ids, loss mask) of each item as trl prepares them for `model` (the mask read from
@@ -165,7 +148,7 @@ def trl_examples(model: nn.Module, tok: ChatTokenizer, items: Sequence[Problem],
     messages dataset with assistant_only_loss=True under `sft_data.TRAINING_TEMPLATE`."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    with silent(), tempfile.TemporaryDirectory() as tmp:
+    with quiet(), tempfile.TemporaryDirectory() as tmp:
         extra = {}
         if form == "messages":
             path = Path(tmp) / "training.jinja"
@@ -199,7 +182,7 @@ def compare_trl(model: nn.Module, tok: ChatTokenizer, items: Sequence[Problem],
     (model is not changed); returns both loss curves."""
     if not items:
         raise ValueError("no items to fine-tune on")
-    with silent(), tempfile.TemporaryDirectory() as tmp:
+    with quiet(), tempfile.TemporaryDirectory() as tmp:
         args = trl_config(cfg, tmp)  # refuses what cannot match, before any work
         order = [items[i] for batch in draws(len(items), cfg) for i in batch]
         hf = to_hf(copy.deepcopy(model).float())
@@ -232,7 +215,7 @@ def compare_packed_batch(model: nn.Module, tok: ChatTokenizer, items: Sequence[P
                          f"{DATASETS_MAP_BATCH} separately), got {len(items)}")
     data = examples(tok, items)
     rows = pack(data, capacity)
-    with silent(), tempfile.TemporaryDirectory() as tmp:
+    with quiet(), tempfile.TemporaryDirectory() as tmp:
         hf = to_hf(copy.deepcopy(model).float())
         args = trl_config(SFTConfig(steps=1, batch_size=len(rows.rows), warmup_steps=0), tmp,
                           packing=True, max_length=capacity)

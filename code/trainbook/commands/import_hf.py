@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ._args import check_writable
 
-HELP = "read a local Hugging Face Llama/Mistral/Qwen2/GPT-2 folder into a checkpoint file"
+HELP = "read a local Hugging Face Llama/Mistral/Qwen2/Qwen3/GPT-2 folder into a checkpoint file"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,13 @@ auxiliary losses through the backward pass, bias balancing, shared experts and u
 (the chapter's experiments: collapse and its fixes, capacity, dense against MoE at equal active
 FLOPs, expert granularity, upcycling; stored with their provenance) and `moe_accounting` (total
 and active parameters and FLOPs of Mixtral 8x7B and DeepSeek-V3 from their config.json,
-against what their authors print). The part's other chapters add their own modules here.
+against what their authors print), taught in book/frontier/moe.
+
+For multimodal training: `vision` (a ViT from scratch, matched to transformers' ViT and CLIP
+vision models), `vision_cost` (image tokens of real encoders and what they cost the language
+model), `multimodal_data` (the generated scenes, captions and questions), `llava` (encoder,
+projector and language model, trained in stages) and `multimodal_runs` (the chapter's stored
+LLaVA run), taught in book/frontier/multimodal.
 
 For synthetic data loops: `synthetic` (rejection sampling with a verifier, deduplication,
 self-instruct, teacher labels; the stored rounds), `synthetic_sources` (what each source of
@@ -18,7 +24,7 @@ data buys at equal fine-tuning steps, stored) and `collapse` (the Gaussian refit
 and simulation; the reference model trained on its own samples), taught in
 book/frontier/synthetic-data.
 
-Chapter: book/frontier/moe.
+Chapter: book/frontier/moe, book/frontier/multimodal, book/frontier/synthetic-data.
 """
 
 from __future__ import annotations
