@@ -248,7 +248,7 @@ def _launch(cfg: TrainConfig, nprocs: int, kill: Kill | None, workdir: Path,
         proc.stdout.close()
     if kill is not None and kill.kind == "accum":
         fired = proc.returncode != 0
-    left = sorted(p.name for p in Path(cfg.ckpt_dir).glob("step-*.tmp"))
+    left = sorted(p.name for p in _temporary_files(cfg.ckpt_dir))
     return Attempt(kill, fired, proc.returncode, resumed, last, time.monotonic() - t0,
                    left), out
 
@@ -342,8 +342,8 @@ def campaign(cfg: TrainConfig, n_kills: int, nprocs: int = 1, seed: int = 0,
     """Random kills (random_kills) through a whole run, and the uninterrupted run to compare:
     the attempts, the first divergence (None: bit for bit) and the histories. A 'time' kill
     waits up to TIME_KILL_STEPS of the uninterrupted run's median step time: a fixed delay in
-    seconds covers 5 steps on a loaded CPU and 20 on an idle one, and then the restarted run
-    is already past the 'step' and 'accum' kills drawn after it."""
+    seconds is a few steps on a loaded CPU and tens on an idle one (0.3 s was 22 steps), and
+    then the restarted run is already past the 'step' and 'accum' kills drawn after it."""
     whole = reference(replace(cfg, ckpt_dir=str(Path(cfg.ckpt_dir) / "whole")), nprocs,
                       workdir, timeout_s)
     step_s = statistics.median(row["step_time_s"] for row in whole)
