@@ -162,3 +162,22 @@ def test_keep_last_prunes_old_and_incomplete_checkpoints(tmp_path, cache_dir):
     with pytest.raises(ValueError, match="keep_last and resume need ckpt_dir"):
         TrainConfig(keep_last=2)
     assert load_checkpoint(tmp_path / "step-000010.pt")["step"] == 10
+
+
+def test_a_signalled_rank_writes_its_line_in_one_write(monkeypatch):
+    """Two ranks signalled at once share the job's log: a line written in pieces (print's text,
+    then its newline, under PYTHONUNBUFFERED) glues to the other rank's, as a SLURM run showed."""
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    g = Guard(rank=1)
+    g._handler(signal.SIGTERM, None)
+    assert writes == ["trainbook: rank 1 received SIGTERM: stopping after this step with a "
+                      "checkpoint\n"]

@@ -53,6 +53,14 @@ LOCK = ".lock"
 WATCHDOG_ENV = "TRAINBOOK_PARENT_WATCHDOG"
 
 
+def say(message: str) -> None:
+    """One line to stderr in one write: under PYTHONUNBUFFERED (the sbatch script sets it)
+    print() writes the text and its newline separately, so two ranks signalled together glue
+    their lines ("...checkpointtrainbook: rank 0 received...") and a log parser misses one."""
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
+
+
 def watchdog_default(env: dict | None = None) -> bool:
     """Watch the parent by default under torchrun (TORCHELASTIC_RUN_ID set), unless
     TRAINBOOK_PARENT_WATCHDOG=0 turns it off for a demonstration."""
@@ -170,14 +178,14 @@ class Guard:
     def _handler(self, signum, _frame) -> None:
         if self.signal is None:
             self.signal = signal.Signals(signum).name
-            print(f"trainbook: rank {self.rank} received {self.signal}: stopping after this step "
-                  "with a checkpoint", file=sys.stderr, flush=True)
+            say(f"trainbook: rank {self.rank} received {self.signal}: stopping after this step "
+                "with a checkpoint")
 
     def _watch(self, parent: int) -> None:
         while not self._done.wait(self.poll_s):
             if os.getppid() != parent:
-                print(f"trainbook: rank {self.rank}: the launcher (pid {parent}) died; exiting so "
-                      "that no orphan trains on", file=sys.stderr, flush=True)
+                say(f"trainbook: rank {self.rank}: the launcher (pid {parent}) died; exiting so "
+                    "that no orphan trains on")
                 os._exit(1)
 
     def __enter__(self) -> Guard:
@@ -194,8 +202,8 @@ class Guard:
             # the launcher died while this process started (it was reparented, to init or a
             # subreaper), or before the kernel was asked to watch it
             if not launcher_alive(parent) or os.getppid() != parent:
-                print(f"trainbook: rank {self.rank}: the launcher (pid {PARENT_AT_START}) died "
-                      "before the run started; exiting", file=sys.stderr, flush=True)
+                say(f"trainbook: rank {self.rank}: the launcher (pid {PARENT_AT_START}) died "
+                    "before the run started; exiting")
                 os._exit(1)
             threading.Thread(target=self._watch, args=(parent,), daemon=True,
                              name="trainbook-parent-watchdog").start()
