@@ -10,7 +10,9 @@ generator and against the fresh run.
 """
 
 import json
+import math
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -209,3 +211,15 @@ def test_parse_attempts_reads_a_log():
     assert a == {"attempt": 0, "resumed_at": 0, "usr1": True, "stopped_at": 40,
                  "ranks_got": ["1:SIGTERM", "0:SIGTERM"], "done_steps": 40}
     assert b["resumed_at"] == 40 and b["done_steps"] == 90 and not b["usr1"]
+
+
+def test_release_waits_until_the_revocation_second_has_passed(monkeypatch):
+    # CI failed a job with "Job credential revoked": released in the second it was requeued
+    cluster = object.__new__(C.Cluster)  # no daemons: only the timing of the update is checked
+    calls = []
+    monkeypatch.setattr(cluster, "run", lambda *argv, **kw: calls.append((time.time(), argv)))
+    seen = time.time()
+    cluster.release(7)
+    (at, argv), = calls
+    assert argv == ("scontrol", "update", "JobId=7", "StartTime=now")
+    assert math.floor(at) >= math.floor(seen) + C.RELEASE_AFTER_S and at - seen < 2.5

@@ -21,6 +21,7 @@ Chapter: book/failures/slurm.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import shutil
 import signal
@@ -38,6 +39,9 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "sinfo", "squeue", "scancel", "srun")
 CHECK_PERIOD_S = 30  # slurmctld's PERIODIC_TIMEOUT: time limits and --signal warnings
 MARKER = "TRAINBOOK_SLURM_CLUSTER"
+# whole seconds between seeing a job requeued and releasing it: slurmd compares a credential's
+# timestamp with the revocation's at one-second resolution (`Cluster.release`)
+RELEASE_AFTER_S = 2
 INSTALL = "apt-get install -y slurm-wlm munge"
 
 
@@ -231,7 +235,14 @@ class Cluster:
         return parse_record(self.run("scontrol", "show", "job", "-o", str(job_id)))
 
     def release(self, job_id: int) -> None:
-        """Start a requeued job now: SLURM holds it (state PENDING, reason BeginTime) first."""
+        """Start a requeued job (seen PENDING, reason BeginTime) as soon as it is safe.
+
+        SLURM holds a requeued job for the credential lifetime + 1 s (job_mgr.c) because slurmd
+        refuses a launch credential stamped in the same second as the old attempt's revocation:
+        the job then fails with "Job credential revoked". The revocation precedes the requeue, so
+        waiting until `RELEASE_AFTER_S` wall-clock seconds have turned over is enough."""
+        now = time.time()
+        time.sleep(math.floor(now) + RELEASE_AFTER_S - now)
         self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
     def next_check(self) -> float:

@@ -6,9 +6,10 @@ done; its loss curve is compared bit for bit with the same run without SLURM.
 `--signal=B:USR1@50` make slurmctld warn the job at its first 30-second check, so each attempt
 trains for the 15-25 s between its start and that check. The job is submitted where the next
 check will find it training; each requeued attempt (held by SLURM with reason BeginTime) is
-released at once. `signal_outcome` runs one attempt of a script variant and says what the
-signal did (the chapter's measurements of the alternatives). `write_record` stores both, with
-the command, date, versions and machine.
+released 1-2 s later (`Cluster.release`: sooner, and slurmd can refuse its credential).
+`signal_outcome` runs one attempt of a script variant and says what the signal did (the
+chapter's measurements of the alternatives). `write_record` stores both, with the command, date,
+versions and machine.
 
 Chapter: book/failures/slurm.
 """
