@@ -69,8 +69,10 @@ def test_goodput_driver_kills_restarts_and_recovers_bit_for_bit(tmp_path):
 
 def test_stored_goodput_sweep_agrees_with_young_daly_within_noise():
     """The stored sweep: every killed run recovered bit for bit, its model rows are what the
-    model gives for its measured costs, and the interval the model picks is the best measured
-    one within two standard errors (the chapter asserts the same)."""
+    model gives for its measured costs, the model's wall time is within two standard errors of the
+    measured mean at every interval (the chapter asserts the same), and its pick is the measured
+    best. The sweep cannot rank the intervals on its own: their means lie within 4.6 s, about
+    one standard error."""
     rec = G.read_sweep(DATA / "fault-tolerance-goodput.json")
     assert all(r["losses_equal_reference"] for r in rec["runs"])
     assert {(r["ckpt_every"], r["seed"]) for r in rec["runs"]} == \
@@ -82,8 +84,9 @@ def test_stored_goodput_sweep_agrees_with_young_daly_within_noise():
     rows = {r["ckpt_every"]: r for r in G.summarize(rec)}
     best = min(rows, key=lambda k: rows[k]["measured_wall_s"])
     pick = min(rows, key=lambda k: rows[k]["model_wall_s"])
-    slack = rows[best]["measured_sem_s"] + rows[pick]["measured_sem_s"]
-    assert rows[pick]["measured_wall_s"] <= rows[best]["measured_wall_s"] + slack
+    assert pick == best  # this record: the model's interval is also the measured best
+    for r in rows.values():  # the model's wall time, not only its ranking, within noise
+        assert abs(r["measured_wall_s"] - r["model_wall_s"]) <= 2 * r["measured_sem_s"]
     young = rec["model_rows"][0]["young_steps"]
     assert pick == min(rows, key=lambda k: abs(k - young))
 
