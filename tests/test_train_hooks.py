@@ -74,6 +74,20 @@ def test_hooks_do_not_change_the_run(cache_dir):
     assert plain.losses() == watched.losses()
 
 
+@pytest.mark.parametrize("clip", [0.0, 1.0, 0.05])  # off, rarely and always clipping
+def test_grad_norms_monitor_gives_each_blocks_norm_before_clipping(cache_dir, clip):
+    plain = train(tiny(cache_dir, steps=4, grad_clip=clip))
+    r = train(tiny(cache_dir, steps=4, grad_clip=clip, monitor="grad-norms"))
+    assert r.losses() == plain.losses()  # a monitor only watches
+    blocks = ["gnorm.embed", "gnorm.blocks.0", "gnorm.blocks.1", "gnorm.norm", "gnorm.head"]
+    for row in r.history:
+        assert [k for k in row if k.startswith("gnorm.")] == blocks
+        total = math.sqrt(sum(row[b] ** 2 for b in blocks))
+        assert total == pytest.approx(row["grad_norm"], rel=1e-5)  # unclipped, even when clipped
+    if clip == 0.05:
+        assert all(row["grad_norm"] > clip for row in r.history)
+
+
 def test_skip_batches_trains_on_later_data_and_resumes_the_same(cache_dir, tmp_path):
     """Steps 4-6's batches are never seen: step 4 trains on what was step 7's batch; resuming
     from a checkpoint taken before the skip gives the same run."""
@@ -112,6 +126,7 @@ def test_fsdp_tp_pp_refuse_what_is_wired_for_one_process():
     from trainbook.train import layout_for, model_config
     for kw, option in ((dict(dtype="fp8-emulated", dp_shard=2), "--dtype fp8-emulated"),
                        (dict(monitor="nan", dp_shard=2), "--monitor nan"),
+                       (dict(monitor="grad-norms", tp=2), "--monitor grad-norms"),
                        (dict(z_loss=1e-4, tp=2), "--z-loss"), (dict(qk_norm=True, pp=2,
                                                                     grad_accum=2), "--qk-norm")):
         cfg = TrainConfig(**kw)

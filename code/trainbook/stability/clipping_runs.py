@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from torch import nn
 
 from ..bench import lowp
 from ..launch import threads
 from ..train import TrainConfig, train
 from ..train.hooks import Batches, Hook, StepContext
+from ..train.monitor import GradNorms
 from .clipping import clip_coef, cosine
 
 # the chapter's model: tiny-llama narrowed to run a step in milliseconds on a CPU
@@ -41,44 +41,20 @@ def config(**overrides: object) -> TrainConfig:
     return TrainConfig(**{**BASE, **overrides})
 
 
-def block_of(name: str) -> str:
-    """The block a parameter belongs to: 'blocks.3.attn.q.weight' -> 'blocks.3',
-    'embed.weight' -> 'embed', 'head.weight' -> 'head'."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
-
-
-class LayerGradNorms(Hook):
-    """Per-block gradient norms of every step, before clipping, into the history as
-    `gnorm.<block>`, plus `clipped` (whether clip_grad_norm_ scaled the step). The trainer clips
-    before hooks run, so the norms measured are divided by the step's clip coefficient."""
+class LayerGradNorms(GradNorms):
+    """The trainer's `--monitor grad-norms` (per-block gradient norms before clipping, as
+    `gnorm.<block>`) plus `clipped`: whether clip_grad_norm_ scaled the step."""
 
     def __init__(self, max_norm: float):
         if max_norm < 0:
             raise ValueError(f"max_norm is the run's grad_clip, >= 0 (0: off), got {max_norm}")
+        super().__init__()
         self.max_norm = max_norm
-        self.blocks: dict[str, list[nn.Parameter]] = {}
-        self._norms: dict[str, float] = {}
-
-    def on_model(self, model: nn.Module) -> None:
-        self.blocks = {}
-        for name, p in model.named_parameters():  # a tied weight appears once
-            self.blocks.setdefault(block_of(name), []).append(p)
-
-    def coef(self, grad_norm: float) -> float:
-        return clip_coef(torch.tensor(grad_norm), self.max_norm).item() if self.max_norm else 1.0
-
-    @torch.no_grad()
-    def before_update(self, ctx: StepContext) -> None:
-        coef = self.coef(ctx.grad_norm)
-        self._norms = {}
-        for block, params in self.blocks.items():
-            sq = sum(float(p.grad.float().pow(2).sum()) for p in params if p.grad is not None)
-            self._norms[block] = math.sqrt(sq) / coef if coef > 0 else math.nan
 
     def after_update(self, ctx: StepContext) -> None:
-        ctx.record.update({f"gnorm.{b}": v for b, v in self._norms.items()})
-        ctx.record["clipped"] = bool(self.max_norm) and self.coef(ctx.grad_norm) < 1.0
+        super().after_update(ctx)
+        ctx.record["clipped"] = bool(self.max_norm) and \
+            clip_coef(torch.tensor(ctx.grad_norm), self.max_norm).item() < 1.0
 
 
 class PlantBatch(Hook):

@@ -107,7 +107,8 @@ class TrainConfig:
     embed_scale: float = _opt(1.0, "multiply the token embeddings by this (Gemma: "
                                    "sqrt(d_model))")
     monitor: str = _opt("", "monitors, comma-separated: spikes (loss and update-norm z-scores), "
-                            "nan (stop at the first inf/NaN and name the module), fingerprint "
+                            "nan (stop at the first inf/NaN and name the module), grad-norms "
+                            "(each block's gradient norm before clipping), fingerprint "
                             "(a per-step digest of the parameters, to compare runs)")
     skip_batches: str = _opt("", "step ranges whose batches are never trained on, e.g. 120-180 "
                                  "(PaLM's restart-and-skip after a spike)")
@@ -292,6 +293,7 @@ def layout_for(cfg: TrainConfig, world: int, mcfg: configs.ModelConfig) -> Layou
         raise ValueError("--compile is wired for one process and DDP only")
     whole = {"--dtype fp8-emulated": cfg.dtype == "fp8-emulated",
              "--monitor nan": "nan" in cfg.monitor, "--ckpt-async": cfg.ckpt_async,
+             "--monitor grad-norms": "grad-norms" in cfg.monitor,
              "--monitor fingerprint": "fingerprint" in cfg.monitor}
     for option, used in whole.items():
         if composed and used:

@@ -9,12 +9,15 @@ again with hooks on every module and reports the first tensor, in execution orde
 one (a module's weight, input or output; in backward, the gradient arriving at a module or the
 one it passes on), with its module, shape and count of bad elements.
 
+`GradNorms` (`--monitor grad-norms`) adds each block's gradient norm before clipping to the
+history row as `gnorm.<block>`, so a growing norm can be traced to the block it grows in.
+
 `Fingerprint` (`--monitor fingerprint`) adds a cheap digest of the parameters after every
 step to the history row: their float64 sum and sum of squares and a hash of a strided sample,
 so two runs can be compared step by step and the first step where they differ found.
 
 Chapter: book/stability/loss-spikes (spikes); book/stability/debugging (NaN);
-book/failures/exact-resume (fingerprint).
+book/stability/clipping (grad-norms); book/failures/exact-resume (fingerprint).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch import nn
 
 from .hooks import Hook, StepContext, StopTraining
 
-MONITORS = ("spikes", "nan", "fingerprint")
+MONITORS = ("spikes", "nan", "grad-norms", "fingerprint")
 
 
 class SpikeMonitor(Hook):
@@ -324,6 +327,40 @@ class NanMonitor(Hook):
         raise StopTraining(f"non-finite {what} at step {ctx.step}{where}")
 
 
+def block_of(name: str) -> str:
+    """The block a parameter belongs to: 'blocks.3.attn.q.weight' -> 'blocks.3',
+    'embed.weight' -> 'embed', 'head.weight' -> 'head'."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+
+
+class GradNorms(Hook):
+    """Each step's gradient norm per block (the embedding, every transformer block, the final
+    norm, the head), before clipping, into the history as `gnorm.<block>`. The trainer has
+    clipped when hooks run, but clipping scales every gradient by one factor: each block's share
+    of the total is unchanged, and the step's `grad_norm` is the total before clipping."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[nn.Parameter]] = {}
+        self._norms: dict[str, float] = {}
+
+    def on_model(self, model: nn.Module) -> None:
+        self.blocks = {}
+        for name, p in model.named_parameters():  # a tied weight appears once
+            self.blocks.setdefault(block_of(name), []).append(p)
+
+    @torch.no_grad()
+    def before_update(self, ctx: StepContext) -> None:
+        sq = {block: sum(float(p.grad.float().pow(2).sum()) for p in params
+                         if p.grad is not None) for block, params in self.blocks.items()}
+        applied = math.sqrt(sum(sq.values()))  # the total norm after clipping
+        unclip = ctx.grad_norm / applied if applied > 0 else 0.0
+        self._norms = {block: math.sqrt(v) * unclip for block, v in sq.items()}
+
+    def after_update(self, ctx: StepContext) -> None:
+        ctx.record.update({f"gnorm.{b}": v for b, v in self._norms.items()})
+
+
 class Fingerprint(Hook):
     """After every step, a digest of the parameters in the history row: `fp_sum` and
     `fp_sumsq` (float64 sum and sum of squares over every element) and `fp_hash` (16 hex digits
@@ -363,5 +400,5 @@ def make_monitors(names: str, fp16_scaling: bool = False) -> list[Hook]:
         raise ValueError(f"unknown monitor {unknown[0]!r}; choose from {', '.join(MONITORS)} "
                          "(comma-separated)")
     make = {"spikes": SpikeMonitor, "nan": lambda: NanMonitor(fp16_scaling),
-            "fingerprint": Fingerprint}
+            "grad-norms": GradNorms, "fingerprint": Fingerprint}
     return [make[n]() for n in chosen]
