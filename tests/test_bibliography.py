@@ -13,6 +13,7 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
+import notebooks  # tools/notebooks.py
 import pytest
 import yaml
 from pybtex.database import parse_file
@@ -24,23 +25,6 @@ REQUIRED = ("author", "title", "year")
 # MyST citation roles: {cite}`key`, {cite:p}`a,b`, {cite:t}`key` and sphinxcontrib-bibtex's other
 # variants ({cite:ps}, {cite:ct}, {cite:year}, ...)
 CITE = re.compile(r"\{cite(?::[a-z]+)?\}`([^`]*)`")
-
-
-def pages(book: Path = BOOK) -> dict[str, str]:
-    """The Markdown of every page under book/, by path: .md files whole, notebooks' Markdown
-    cells joined."""
-    out = {}
-    for path in sorted(book.rglob("*")):
-        rel = path.relative_to(book.parent).as_posix()
-        if any(part.startswith((".", "_build")) for part in path.relative_to(book).parts):
-            continue
-        if path.suffix == ".md":
-            out[rel] = path.read_text(encoding="utf-8")
-        elif path.suffix == ".ipynb":
-            cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-            out[rel] = "\n\n".join("".join(c["source"]) for c in cells
-                                   if c["cell_type"] == "markdown")
-    return out
 
 
 def citations(texts: dict[str, str]) -> dict[str, list[str]]:
@@ -101,7 +85,7 @@ def problems(bib: dict[str, dict[str, str]], cited: dict[str, list[str]],
 
 
 def test_the_book_cites_and_the_bibliography_agree():
-    found = problems(entries(), citations(pages()))
+    found = problems(entries(), citations(notebooks.pages_markdown()))
     assert not found, "\n".join(found)
 
 
@@ -122,7 +106,7 @@ def test_citations_are_collected_from_pages_and_markdown_cells_only(tmp_path):
     (book / "part" / "ch.ipynb").write_text(json.dumps({"cells": cells}))
     (book / "_build").mkdir()
     (book / "_build" / "old.md").write_text("{cite}`f`")
-    cited = citations(pages(book))
+    cited = citations(notebooks.pages_markdown(book))
     assert cited == {"a": ["book/page.md", "book/part/ch.ipynb"], "b": ["book/page.md"],
                      "c": ["book/page.md"], "d": ["book/part/ch.ipynb"]}
 
@@ -153,7 +137,7 @@ def test_a_planted_duplicate_and_bad_citation_fail(tmp_path):
         f.write("\n@misc{gopher2021copy,\n  author = {Rae, Jack W. and others},\n"
                 "  title = {Scaling language models: methods, analysis and insights from "
                 "training Gopher},\n}\n")
-    cited = citations(pages())
+    cited = citations(notebooks.pages_markdown())
     cited.setdefault("gopher2021copy", []).append("book/x.md")
     cited.setdefault("rae2021gopherr", []).append("book/x.md")
     found = problems(entries(bib), cited)

@@ -7,11 +7,11 @@ launcher gives (torchrun's --nnodes x --nproc_per_node), without training."""
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from pathlib import Path
 
+import notebooks  # tools/notebooks.py
 import pytest
 
 from trainbook.__main__ import build_parser
@@ -22,40 +22,32 @@ SHELL = ("", "bash", "sh", "shell", "console")
 UNKNOWN_NODES = 2  # --nnodes "$SLURM_NNODES": the check holds for any count; take two
 
 
-def shell_blocks(path: Path) -> list[str]:
+def shell_blocks(text: str) -> list[str]:
     """The text of each fenced shell block (```bash, or a fence with no language)."""
-    if path.suffix == ".ipynb":
-        cells = json.loads(path.read_text())["cells"]
-        texts = ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
-    else:
-        texts = [path.read_text()]
-    blocks = []
-    for text in texts:
-        fence, lines = None, []
-        for line in text.splitlines():
-            if line.startswith("```") and fence is None:
-                fence, lines = line[3:].strip(), []
-            elif line.startswith("```"):
-                if fence in SHELL:
-                    blocks.append("\n".join(lines) + "\n")
-                fence = None
-            elif fence is not None:
-                lines.append(line)
+    blocks, fence, lines = [], None, []
+    for line in text.splitlines():
+        if line.startswith("```") and fence is None:
+            fence, lines = line[3:].strip(), []
+        elif line.startswith("```"):
+            if fence in SHELL:
+                blocks.append("\n".join(lines) + "\n")
+            fence = None
+        elif fence is not None:
+            lines.append(line)
     return blocks
 
 
 def book_commands() -> list[tuple[str, str]]:
     """(where, command line) for each `-m trainbook train` line with real options."""
-    files = sorted((ROOT / "book").rglob("*.ipynb")) + sorted((ROOT / "book").rglob("*.md")) \
-        + [ROOT / "README.md"]
+    texts = {**notebooks.pages_markdown(), "README.md": (ROOT / "README.md").read_text()}
     found = []
-    for path in files:
-        for block in shell_blocks(path):
+    for where, text in texts.items():
+        for block in shell_blocks(text):
             for line in block.replace("\\\n", " ").splitlines():
                 line = line.split(" # ")[0].strip()
-                if re.search(r"-m trainbook train\b", line) and " ... " not in line + " " \
+                if re.search(r"-m trainbook train\b", line) and "..." not in line.split() \
                         and "--help" not in line:
-                    found.append((str(path.relative_to(ROOT)), " ".join(line.split())))
+                    found.append((where, " ".join(line.split())))
     return found
 
 
@@ -77,7 +69,7 @@ def world_size(launcher: list[str]) -> int:
 
 
 def test_the_book_prints_train_commands():
-    assert len(COMMANDS) >= 30, "the scan lost the book's commands: check BLOCK and the files"
+    assert len(COMMANDS) >= 30, "the scan lost the book's commands: check shell_blocks"
 
 
 @pytest.mark.parametrize("where,line", COMMANDS, ids=[f"{w}:{i}" for i, (w, _) in

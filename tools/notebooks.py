@@ -55,6 +55,23 @@ def notebooks() -> list[Path]:
                   if ".ipynb_checkpoints" not in p.parts and "_build" not in p.parts)
 
 
+def pages_markdown(book: Path = ROOT / "book") -> dict[str, str]:
+    """The Markdown of every page under book/, by path from the repository root ("book/..."):
+    .md files whole, notebooks' Markdown cells joined (code cells are not prose)."""
+    out = {}
+    for path in sorted(book.rglob("*")):
+        rel = path.relative_to(book.parent).as_posix()
+        if any(part.startswith((".", "_build")) for part in path.relative_to(book).parts):
+            continue
+        if path.suffix == ".md":
+            out[rel] = path.read_text(encoding="utf-8")
+        elif path.suffix == ".ipynb":
+            cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+            out[rel] = "\n\n".join("".join(c["source"]) for c in cells
+                                   if c["cell_type"] == "markdown")
+    return out
+
+
 def problems(path: Path) -> list[str]:
     nb = json.loads(path.read_text())
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
