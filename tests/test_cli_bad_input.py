@@ -71,8 +71,8 @@ BASE: dict[str, list[str]] = {
     "multimodal": ["--model", "llama-2-7b"],
     "dpo": ["--steps", "1", "--prompts", "32", "--eval-items", "2"],
     "grpo": ["--steps", "1", "--prompts", "2", "--group", "2", "--eval-items", "2"],
-    "reward-model": ["--start", str(ALIGN_DATA)],
-    "ppo": ["--start", str(ALIGN_DATA), "--reward", str(ALIGN_DATA)],
+    "reward-model": ["--start", str(ALIGN_DATA), "--out", "rm"],
+    "ppo": ["--start", str(ALIGN_DATA), "--reward", str(ALIGN_DATA), "--out", "ppo"],
     "tp": [],
     "zero": [],
 }

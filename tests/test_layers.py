@@ -22,7 +22,7 @@ LAYERS = {  # top-level name under trainbook -> layer
     # one package per book part: they build on the runtime and on each other only as declared
     "parallel": 4, "pretrain": 4, "precision": 4, "stability": 4, "failures": 4, "align": 4,
     "frontier": 4,
-    "commands": 5, "nb": 5, "__main__": 5,
+    "records": 5, "commands": 5, "nb": 5, "__main__": 5,
 }
 PART_DEPS: dict[str, set[str]] = {  # part -> the other parts it may import
     "stability": {"precision", "pretrain"},

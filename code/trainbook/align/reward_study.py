@@ -143,9 +143,11 @@ def overopt_curves(policy: torch.nn.Module, rms: dict[str, reward.RewardModel],
 
 
 @threads(1)
-def write_overopt(folder: str | Path, start_folder: str | Path) -> Path:
-    """Train the proxies, run best-of-n against each and the stored reward model, store
-    `rm-overopt.json` in `folder`."""
+def write_overopt(folder: str | Path, start_folder: str | Path,
+                  reward_folder: str | Path | None = None) -> Path:
+    """Train the proxies, run best-of-n against each and the stored reward model (in
+    `reward_folder`, by default `folder`), store `rm-overopt.json` in `folder`."""
+    reward_folder = folder if reward_folder is None else reward_folder
     tok = task.chat_tokenizer()
     policy = start.load_start(start_folder)
     data = preference_data(policy, tok)
@@ -156,8 +158,8 @@ def write_overopt(folder: str | Path, start_folder: str | Path) -> Path:
         rm = rms[f"{n} pairs"] = reward.RewardModel(policy)
         reward.train_rm(rm, tok, [data["train"][i] for i in order[:n]], cfg)
         proxies[f"{n} pairs"] = {"pairs": n, "steps": cfg.steps, **accuracies(rm, tok, data)}
-    rms["stored reward model"] = load_reward_model(folder, start_folder)
-    rec = reward_record(folder)
+    rms["stored reward model"] = load_reward_model(reward_folder, start_folder)
+    rec = reward_record(reward_folder)
     proxies["stored reward model"] = {"pairs": rec["train_pairs"],
                                       "steps": rec["recipe"]["steps"],
                                       **accuracies(rms["stored reward model"], tok, data)}

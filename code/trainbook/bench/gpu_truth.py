@@ -14,13 +14,10 @@ Chapter: book/compute/throughput.
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import os
-import platform
 import re
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -29,12 +26,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import __version__, hardware
+from .. import hardware
 from ..compute import memory as M
 from ..compute.flops import training_flops_per_token
 from ..configs import ModelConfig
 from ..model import Transformer
 from .matmul import device_name
+from .provenance import provenance, versions
 
 if TYPE_CHECKING:
     from torch.autograd.profiler_util import FunctionEvent
@@ -45,36 +43,6 @@ AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # ---- the record header ---------------------------------------------------------------------------
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=Path(__file__).parents[1], capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout if out.returncode == 0 else None
-
-
-@functools.cache
-def git_commit() -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the trainbook checkout that measured: numbers taken with uncommitted
-    changes to the package say so. (None, None) outside a git checkout."""
-    commit = (_git("rev-parse", "HEAD") or "").strip()
-    if not re.fullmatch(r"[0-9a-f]{40}", commit):
-        return None, None
-    status = _git("status", "--porcelain", "--", ".")
-    return commit, None if status is None else bool(status.strip())
-
-
-def versions() -> dict:
-    """Everything a number depends on that is not the device: the software stack."""
-    cudnn = torch.backends.cudnn.version() if torch.cuda.is_available() else None
-    commit, dirty = git_commit()
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "hip": torch.version.hip, "cudnn": cudnn,
-            "trainbook": __version__, "trainbook_commit": commit,
-            "trainbook_package_dirty": dirty}
-
 
 def device_info(device: torch.device) -> dict:
     """Which device measured: name, how many of its kind are visible, memory, compute capability."""
@@ -104,7 +72,8 @@ def header(measurement: str, command: str, device: torch.device, size: str) -> d
     """The fields every record starts with: what was run, when, with what, on what."""
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"measurement": measurement, "command": command, "date_utc": now,
-            "versions": versions(), "device": device_info(device), "size": size}
+            "versions": versions(), "device": device_info(device), "size": size,
+            "provenance": provenance(command, device)}
 
 
 def write_record(out_dir: str | os.PathLike, name: str, record: dict) -> Path:

@@ -2,7 +2,7 @@
 the stored reward model (or the verifier), with the stability knobs as variants on one seed;
 prints each run's pass@1 before and after, reward, KL and clip fraction, and stores the runs.
 
-  python -m trainbook ppo                                   # every variant: ppo-runs.json
+  python -m trainbook ppo --out ppo                         # every variant: ppo/ppo-runs.json
   python -m trainbook ppo --variants baseline,"no KL penalty" --rounds 60 --out /tmp/ppo
   python -m trainbook ppo --variants baseline --lr 1e-5 --kl-coef 0.1 --json
 
@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"folder holding the start policy dpo-start.* (default {DATA})")
     p.add_argument("--reward", default=DATA,
                    help=f"folder holding the reward model rm-reward.* (default {DATA})")
-    p.add_argument("--out", default=DATA, help=f"folder to write ppo-runs.json to (default {DATA})")
+    p.add_argument("--out", required=True, help="folder to write ppo-runs.json to (the book's "
+                   "stored runs: `python -m trainbook records regen ppo-runs`)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated runs, each the base with one change: "
                         f"{', '.join(VARIANTS)} (default: all)")

@@ -3,9 +3,12 @@ arithmetic chat task) from the stored start policy, report its held-out pair acc
 it with its record; --overopt then runs the best-of-n over-optimisation study against it and
 proxies trained on fewer pairs.
 
-  python -m trainbook reward-model                     # book/alignment/data/rm-reward.*
-  python -m trainbook reward-model --overopt           # book/alignment/data/rm-overopt.json
+  python -m trainbook reward-model --out rm            # rm/rm-reward.*
+  python -m trainbook reward-model --overopt --out rm  # rm/rm-overopt.json, against rm/rm-reward.*
   python -m trainbook reward-model --steps 400 --center-coef 0.01 --out /tmp/rm
+
+The book's stored results are regenerated with `python -m trainbook records regen rm-reward`
+(and rm-overopt): no command writes into the book's data unless told to.
 
 Chapter: book/alignment/reward-models
 """
@@ -34,8 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--start", default=DATA,
                    help=f"folder holding the start policy dpo-start.* (default {DATA})")
-    p.add_argument("--out", default=DATA,
-                   help=f"folder to write rm-reward.safetensors/.json to (default {DATA})")
+    p.add_argument("--out", required=True,
+                   help="folder to write rm-reward.safetensors/.json (or rm-overopt.json) to")
+    p.add_argument("--reward", default=None,
+                   help="with --overopt: folder holding the reward model rm-reward.* "
+                        "(default: --out)")
     p.add_argument("--steps", type=_args.positive_int, default=d.steps,
                    help=f"optimizer steps (default {d.steps}, at most {MAX_STEPS:,})")
     p.add_argument("--batch-size", type=_args.positive_int, default=d.batch_size,
@@ -69,9 +75,14 @@ def check(args: argparse.Namespace) -> RMConfig:
     if not (Path(args.start) / "dpo-start.json").is_file():
         raise ValueError(f"--start {args.start} holds no dpo-start.json: give the folder of the "
                          "stored start policy (book/alignment/data)")
-    if args.overopt and not (Path(args.out) / "rm-reward.json").is_file():
-        raise ValueError(f"--overopt needs the stored reward model in --out {args.out}: run "
-                         "`python -m trainbook reward-model` first")
+    if args.reward is not None and not args.overopt:
+        raise ValueError("--reward names the reward model --overopt runs against: add "
+                         "--overopt, or drop --reward")
+    reward = args.out if args.reward is None else args.reward
+    if args.overopt and not (Path(reward) / "rm-reward.json").is_file():
+        flag = "--out" if args.reward is None else "--reward"
+        raise ValueError(f"--overopt needs a reward model in {flag} {reward}: run "
+                         f"`python -m trainbook reward-model --out {reward}` first")
     return RMConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                     center_coef=args.center_coef, use_margin=args.margin, seed=args.seed)
 
@@ -81,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     from ..align import reward_study as S
 
     if args.overopt:
-        record = json.loads(S.write_overopt(args.out, args.start).read_text())
+        reward = args.out if args.reward is None else args.reward
+        record = json.loads(S.write_overopt(args.out, args.start, reward).read_text())
         if args.json:
             print(json.dumps(record, indent=1))
             return 0
