@@ -75,6 +75,7 @@ BASE: dict[str, list[str]] = {
     "ppo": ["--start", str(ALIGN_DATA), "--reward", str(ALIGN_DATA), "--out", "ppo"],
     "tp": [],
     "zero": [],
+    "records": ["check", "lm-eval-check"],
 }
 # Options whose negative values are legitimate.
 NEGATIVE_OK = {("train", "--seed")}
@@ -112,6 +113,7 @@ def _stubs(monkeypatch):
     """Stop accepted input where the work starts; pretend to be rank 0 of 2 under torchrun, so
     the torchrun commands check their input against a world size."""
     import trainbook.train as train_pkg
+    from trainbook import records
     from trainbook.align import ppo_study, reward_study
     from trainbook.bench import hf, matmul
     from trainbook.commands import _torchrun, gpumeasure
@@ -124,6 +126,8 @@ def _stubs(monkeypatch):
     monkeypatch.setattr(ppo_study, "write_runs", _reached)
     monkeypatch.setattr(reward_study, "write_reward_model", _reached)
     monkeypatch.setattr(reward_study, "write_overopt", _reached)
+    monkeypatch.setattr(records, "check", _reached)
+    monkeypatch.setattr(records, "regen", _reached)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
 
@@ -209,7 +213,7 @@ def cases() -> list[tuple[str, list[str], str, str]]:
         out.append((f"{command}-unknown-option", [command, *BASE.get(command, []), "--bogus",
                                                   "1"], ("--bogus",), "reject"))
         for a in sub._actions:
-            if a.required and known:
+            if a.required and a.option_strings and known:  # a positional has no flag
                 argv = without(BASE[command], flag(a))
                 out.append((f"{command}-missing-{flag(a)}", [command, *argv], (flag(a),),
                             "reject"))

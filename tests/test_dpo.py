@@ -109,6 +109,7 @@ def test_training_follows_the_loss_and_leaves_the_reference_alone():
     assert simpo[-1]["loss"] < simpo[0]["loss"]
 
 
+@pytest.mark.records
 def test_stored_start_policy_matches_its_record():
     rec = start.start_record(DATA)
     assert rec["sft"]["steps"] == start.START_SFT.steps and rec["items"] == start.START_ITEMS
@@ -158,6 +159,7 @@ def test_bad_input_is_rejected_with_a_clear_message(tmp_path):
         start.load_start(tmp_path)
 
 
+@pytest.mark.records
 def test_stored_study_agrees_with_a_fresh_run_of_its_main_point():
     rec = dpo_study.read_study(DATA / "dpo-study.json")
     assert rec["study"] == dpo_study.STUDY and set(rec["runs"]) == set(dpo_study.RUNS)

@@ -55,6 +55,7 @@ def test_scores_equal_lm_eval_run_on_the_exported_model():
     assert {(C.TEXT_TASK, m) for m in C.TEXT_METRICS} <= names
 
 
+@pytest.mark.records
 def test_the_stored_lm_eval_run_matches_the_scorer_now(model):
     """book/alignment/data/lm-eval-check.json (what the chapter shows) was run on the shipped
     weights and still equals our scores on them."""

@@ -122,6 +122,7 @@ def test_kills_are_checked_before_any_work(tmp_path):
     assert all(k.rank < 2 and 1 <= k.micro < 4 for k in kills)
 
 
+@pytest.mark.records
 def test_the_stored_campaign_is_bit_exact_and_its_run_is_this_trainers():
     record = R.read_campaign(DATA / "exact-resume-campaign.json")
     assert [r["nprocs"] for r in record["runs"]] == [1, 2]

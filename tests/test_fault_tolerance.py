@@ -67,6 +67,7 @@ def test_goodput_driver_kills_restarts_and_recovers_bit_for_bit(tmp_path):
     assert c["step_s"] > 0 and c["restart_s"] > 0
 
 
+@pytest.mark.records
 def test_stored_goodput_sweep_agrees_with_young_daly_within_noise():
     """The stored sweep: every killed run recovered bit for bit, its model rows are what the
     model gives for its measured costs, the model's wall time is within two standard errors of the

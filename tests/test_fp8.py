@@ -147,6 +147,7 @@ def test_gpu_records(tmp_path):
     assert len(df) == 1 and df.loc[0, "device"] == "NVIDIA H100 80GB HBM3"
 
 
+@pytest.mark.records
 def test_stored_fp8_runs_are_what_the_code_makes():
     doc, runs = lowp_training.read_runs(DATA / "fp8-training.json")
     assert doc["names"] == fp8_training.NAMES and doc["seeds"] == fp8_training.SEEDS

@@ -119,6 +119,7 @@ def _args(record: dict) -> dict:
     return dict(record["arguments"])
 
 
+@pytest.mark.records
 @pytest.mark.timeout(120)
 def test_stored_collapse_study_reproduces():
     record, table = S.read_study(DATA / "moe-collapse.json", "collapse")
@@ -134,6 +135,7 @@ def test_stored_collapse_study_reproduces():
         assert row.val_loss == pytest.approx(old.val_loss, abs=0.02)
 
 
+@pytest.mark.records
 @pytest.mark.timeout(120)
 def test_stored_capacity_study_reproduces():
     record, table = S.read_study(DATA / "moe-capacity.json", "capacity")
@@ -148,6 +150,7 @@ def test_stored_capacity_study_reproduces():
     assert fresh.val_loss.iloc[0] == pytest.approx(old.val_loss, abs=0.02)
 
 
+@pytest.mark.records
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("file, seed", [("moe-compare.json", 0), ("moe-compare-seeds.json", 1)])
 def test_stored_comparison_reproduces_its_start(file, seed):
@@ -162,6 +165,7 @@ def test_stored_comparison_reproduces_its_start(file, seed):
     assert fresh.loss.tolist() == pytest.approx(old.loss.tolist(), rel=1e-4)
 
 
+@pytest.mark.records
 @pytest.mark.timeout(120)
 def test_stored_upcycling_reproduces_its_dense_phase():
     record, table = S.read_study(DATA / "moe-upcycle.json", "upcycle")

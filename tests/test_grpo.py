@@ -173,6 +173,7 @@ def test_bad_input_is_rejected_with_a_clear_message():
         grpo_trl.compare_grpo(model, model, TOK, task.make_problems(2), loss="cispo")
 
 
+@pytest.mark.records
 def test_stored_kl_run_agrees_with_a_fresh_run_of_its_first_steps():
     rec = grpo_study.read_part(DATA, "kl")
     stored = rec["runs"]["grpo"]

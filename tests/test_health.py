@@ -213,6 +213,7 @@ def test_planted_slow_rank_is_named_and_slows_everyone(demo):
 
 # ---- the stored record ----------------------------------------------------------------------
 
+@pytest.mark.records
 def test_stored_record_has_provenance_and_agrees_with_a_fresh_run(demo):
     record = RF.read_record(DATA / "health-cpu.json")
     for key in ("command", "date_utc", "versions", "device"):

@@ -237,6 +237,7 @@ def test_stored_quality_records_are_consistent():
     assert len(Q.summary(records, setup)) == len(setup.seeds) * len(setup.variants())
 
 
+@pytest.mark.records
 @pytest.mark.timeout(180)
 def test_stored_quality_run_reproduces():
     """The first steps of one stored run (LoRA + chat tokens, seed 1), again: the same losses."""

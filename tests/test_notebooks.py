@@ -5,15 +5,31 @@ jupyter-cache (tools/nbcache.py), so a build after the tests reuses the outputs 
 executing the notebook again.
 """
 
+from pathlib import Path
+
 import nbcache  # tools/nbcache.py
 import notebooks  # tools/notebooks.py
 import pytest
 
 PATHS = notebooks.notebooks()
+# Notebooks that compare a fresh computation with a stored record: CI runs them a second time
+# under another kernel set (-m records, ATEN_CPU_CAPABILITY), as another CPU would.
+RECORD_CHECKS = {"evaluation", "reward-models", "moe", "synthetic-data", "fp8", "mixed-precision",
+                 "numerics", "clipping", "loss-spikes"}
+RUNS = [pytest.param(p, marks=pytest.mark.records) if p.stem in RECORD_CHECKS else p
+        for p in PATHS]
 
 
 def test_there_are_notebooks():
     assert len(PATHS) >= 2
+
+
+def test_the_record_checking_notebooks_read_records():
+    """Each notebook run again under another kernel set reads a registered record."""
+    from trainbook.records import RECORDS
+
+    chapters = {Path(r.chapter).name for r in RECORDS}
+    assert RECORD_CHECKS <= {p.stem for p in PATHS} and RECORD_CHECKS <= chapters
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.name)
@@ -57,11 +73,13 @@ def test_cache_key_follows_what_the_notebooks_run(tmp_path, monkeypatch):
     slow = nbcache.key()
     monkeypatch.setenv("TRAINBOOK_SLOW_LOWP", "0")
     assert "-slowlowp-" in slow and "-native-" in nbcache.key()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert "-native-avx2-" in nbcache.key()
 
 
 # No pytest timeout: as in the build, nbclient stops any cell that runs past _config.yml's timeout.
 @pytest.mark.timeout(0)
-@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", RUNS, ids=lambda p: p.name)
 def test_notebook_runs(path):
     """Every cell runs without an error and writes nothing to stderr (the build fails on both)."""
     run = nbcache.execute(path)

@@ -89,6 +89,7 @@ def test_accumulators_in_a_matmul():
     assert (N.accumulate(a.abs(), b.abs(), N.E8M13, truncate=True) <= pos).all()
 
 
+@pytest.mark.records
 def test_stored_accumulation_sweep_matches_a_fresh_run():
     stored = json.loads(SWEEP.read_text())
     assert stored["kind"] == "numerics-accumulation"

@@ -273,6 +273,7 @@ def test_stored_runs_are_the_codes_variants_on_the_dpo_budget():
         assert h[0]["kl_exact"] == h[0]["kl_k1"] == h[0]["kl_k3"] == 0.0  # before any update
 
 
+@pytest.mark.records
 @pytest.mark.timeout(300)
 def test_stored_baseline_first_round_is_reproduced():
     """Re-run the stored baseline's first round (its rollouts and its update) and compare."""

@@ -157,3 +157,26 @@ def test_the_records_command(capsys, tmp_path):
                           (["list", "--root", str(tmp_path)], "--root PATH")):
         assert main(["records", *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+def test_the_books_regeneration_commands_name_records_and_nothing_else_writes_its_data():
+    """Every `records regen` a page prints names registered records; no other command a page
+    prints writes into book/*/data (a reader who pastes it would overwrite a stored result)."""
+    import re
+
+    import notebooks  # tools/notebooks.py
+    from test_book_commands import shell_blocks
+
+    found = 0
+    for where, text in notebooks.pages_markdown().items():
+        for block in shell_blocks(text):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\$\w+", "dapo", line.split(" # ")[0])  # grpo-$part: a part
+                for names in re.findall(r"records regen ((?:[\w.-]+ ?)+)", line):
+                    found += 1
+                    for name in names.split():
+                        R.get(name)  # raises on an unknown record
+                if "records regen" not in line:
+                    assert not re.search(r"(--out|--output|write_\w+\()\s*['\"]?book/\w+/data",
+                                         line), (where, line)
+    assert found >= 10

@@ -221,6 +221,7 @@ def test_stored_study_has_its_provenance_and_every_variant():
         sft_study.read_study(data / "nowhere.json")
 
 
+@pytest.mark.records
 @pytest.mark.timeout(120)
 def test_stored_study_seeds_are_consistent_and_agree_with_the_code():
     """One file per seed 0, 1, ... with one configuration (the recommended recipe); its step-0

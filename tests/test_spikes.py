@@ -258,6 +258,7 @@ def test_restart_and_skip_avoids_the_spike_and_no_skip_repeats_it(tmp_path):
 # Stored results against fresh runs
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.records
 def test_stored_sweep_agrees_with_a_fresh_run_of_one_point():
     record, table, hist = I.read_sweep(DATA / "spikes-sweep.json")
     assert record["command"].startswith('python -c "from trainbook.stability import instability')
@@ -276,6 +277,7 @@ def test_stored_sweep_agrees_with_a_fresh_run_of_one_point():
         I.read_sweep(DATA / "spikes-detector.json")
 
 
+@pytest.mark.records
 def test_stored_detector_trial_agrees_with_a_fresh_run():
     record, trial = S.read_detector(DATA / "spikes-detector.json")
     assert set(trial) == {"healthy", "planted"} and len(trial["healthy"]) == len(record["seeds"])

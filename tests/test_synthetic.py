@@ -314,6 +314,7 @@ def test_stored_sources_record():
         (s, name) for s in rec["seeds"] for name in D.SOURCES]
 
 
+@pytest.mark.records
 @pytest.mark.timeout(300)
 def test_stored_sources_reproduce_a_fine_tuning():
     """The seeds-only fine-tuning of seed 0 again: the same data, steps and seed, so (to

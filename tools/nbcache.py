@@ -29,6 +29,7 @@ As a Sphinx extension (sphinx.local_extensions in _config.yml) it points myst-nb
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import shutil
 import sys
@@ -82,6 +83,9 @@ def conditions() -> dict[str, str]:
         "size": nb.pick_size(),
         "lowp": "slowlowp" if lowp.slow_path_forced() else "native",
         "versions": f"py{platform.python_version()}-torch{torch.__version__}",
+        # another kernel set (ATEN_CPU_CAPABILITY=avx2 or default) computes other last bits:
+        # its outputs are another machine's and never the build's
+        "kernels": os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower() or "native",
     }
 
 
@@ -89,7 +93,8 @@ def key() -> str:
     """The cache folder's name: readable conditions, then a digest of everything in the key."""
     c = conditions()
     digest = hashlib.sha256(f"{sorted(c.items())}{fingerprint()}".encode()).hexdigest()
-    return f"{c['size']}-{c['device']}-{c['lowp']}-{digest[:16]}"
+    kernels = "" if c["kernels"] == "native" else f"-{c['kernels']}"
+    return f"{c['size']}-{c['device']}-{c['lowp']}{kernels}-{digest[:16]}"
 
 
 def cache_path() -> Path:

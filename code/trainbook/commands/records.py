@@ -22,6 +22,8 @@ import argparse
 import json
 import sys
 
+from ._args import positive_float
+
 HELP = "the book's stored results: list, check (a fresh run reproduces them), regen"
 
 
@@ -31,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "regen: rewrite the stored files")
     p.add_argument("names", nargs="*", metavar="NAME", help="records to check or regenerate")
     p.add_argument("--all", action="store_true", help="every record that can be regenerated")
-    p.add_argument("--max-minutes", type=float, default=None,
+    p.add_argument("--max-minutes", type=positive_float, default=None,
                    help="with --all: only records whose regeneration takes at most this long "
                         "on a 2-core CPU (the registry's estimate)")
     p.add_argument("--root", default=None,
@@ -49,8 +51,8 @@ def _selected(args: argparse.Namespace):
     if bool(args.names) == bool(args.all):
         raise ValueError(f"`records {args.action}` needs record names or --all (not both); "
                          "`python -m trainbook records list` names them")
-    if args.max_minutes is not None and (not args.all or not args.max_minutes > 0):
-        raise ValueError("--max-minutes must be a positive number of minutes, given with --all")
+    if args.max_minutes is not None and not args.all:
+        raise ValueError("--max-minutes picks among all records: give it with --all")
     if args.names:
         chosen = [R.get(n) for n in args.names]
         inputs = [r.name for r in chosen if r.kind == "input"]

@@ -26,7 +26,6 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .. import formats
 from ..launch import threads
 from ..train.emulate import (
     EmulatedLinear,
@@ -193,7 +192,6 @@ def delayed_trace(xs: list[torch.Tensor], history: int = 16,
         raise ValueError("give at least one tensor")
     d = xs[0].shape[-1]
     layer = EmulatedLinear(nn.Linear(d, d, bias=False), Recipe("delayed", history=history))
-    top = formats.get(fmt).max
     rows = []
     for step, x in enumerate(xs, start=1):
         row = {"step": step, "amax": x.abs().max().item()}
@@ -201,7 +199,9 @@ def delayed_trace(xs: list[torch.Tensor], history: int = 16,
             q, inv = quantize_operand(x, layer.recipe, fmt, 1, False, amax)
             deq = q * inv
             row[f"amax used ({label})"] = amax.item()
-            row[f"saturated ({label})"] = (x.abs() * (top / amax) > top).double().mean().item()
+            # above the amax the scale was set from, compared unscaled: x * (top / amax) can
+            # round one ulp past top at the amax itself, and would count it on some CPUs
+            row[f"saturated ({label})"] = (x.abs() > amax).double().mean().item()
             row[f"flushed ({label})"] = _underflow(x, deq)
             row[f"snr ({label})"] = snr_db(x, deq)
         rows.append(row)

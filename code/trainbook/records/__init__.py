@@ -26,9 +26,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ..bench.provenance import KEYS, machine_class, provenance
 from .registry import KINDS, RECORDS, Record
@@ -180,7 +181,8 @@ def regen(record: Record, repo: Path) -> list[Path]:
 
 # ---- comparing ----------------------------------------------------------------------------------
 
-def compare_values(stored, fresh, rtol: float, atol: float, ignore=(), path: str = "") -> list[str]:
+def compare_values(stored: Any, fresh: Any, rtol: float, atol: float,
+                   ignore: Iterable[str] = (), path: str = "") -> list[str]:
     """Where two JSON documents differ beyond |a - b| <= atol + rtol |a| (numbers), or at all
     (anything else); keys in VOLATILE or `ignore` are skipped."""
     if isinstance(stored, dict) and isinstance(fresh, dict):
@@ -211,7 +213,8 @@ def compare_values(stored, fresh, rtol: float, atol: float, ignore=(), path: str
     return [] if stored == fresh else [f"{path}: stored {stored!r}, fresh {fresh!r}"]
 
 
-def largest_difference(stored, fresh, ignore=()) -> tuple[float, float]:
+def largest_difference(stored: Any, fresh: Any,
+                       ignore: Iterable[str] = ()) -> tuple[float, float]:
     """(largest |a - b|, largest |a - b| / |a|) over the numbers the two documents share at the
     same place: what a kernel set or a machine changed."""
     if isinstance(stored, dict) and isinstance(fresh, dict):

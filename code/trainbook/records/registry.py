@@ -175,7 +175,7 @@ RECORDS: tuple[Record, ...] = (
               writer="trainbook.align.lora_quality:write_quality",
               args={"seed": s, "setup": QUALITY}, out="folder", out_kind="folder",
               build={"setup": "trainbook.align.lora_quality:QualitySetup"},
-              tolerance=(0.02, 0.02), minutes=30, reproduce=TRAINING) for s in (0, 1, 2)),
+              tolerance=(0.02, 0.02), minutes=15, reproduce=TRAINING) for s in (0, 1, 2)),
     Record("ppo-runs", (f"{A}/ppo-runs.json",), "book/alignment/ppo", "chaotic",
            "trainbook.align.ppo_study:write_runs", {"start_folder": A, "reward_folder": A},
            out="folder", out_kind="folder", minutes=40, reproduce=SAMPLING),

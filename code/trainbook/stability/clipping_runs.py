@@ -146,10 +146,6 @@ def divergence_runs(grid: dict[str, Sequence[float]], clips: Sequence[float] = (
 
 SWEEP_GRID = {"sgd": [0.1, 0.3, 1.0, 3.0], "adamw": [3e-3, 3e-2, 0.3, 3.0]}
 SWEEP_COMMAND = "python -m trainbook records regen clipping-divergence"
-SMOOTH_LOSS_TOLERANCE = 0.01  # nats; smooth runs measured 1e-6 apart across kernel sets
-NAN_STEP_TOLERANCE = 3  # steps; a divergence blows up within a few steps of the same place
-
-
 def sweep_doc(rows: pd.DataFrame, seeds: Sequence[int], steps: int) -> dict:
     """The stored form of a sweep's rows, with what it ran on."""
     return {"kind": "clipping-divergence", "command": SWEEP_COMMAND,
@@ -168,22 +164,62 @@ def write_divergence_sweep(path: str, seeds: Sequence[int] = (0, 1, 2),
     return doc
 
 
-def _chaotic(row: pd.Series) -> bool:
-    """A run whose end the last bits decide: mostly clipped, or its loss jumped."""
-    return row.clipped >= 0.5 or not math.isnan(row.onset)
+def summary(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per optimizer, learning rate and max_norm: runs, how many reached NaN, and the medians over
+    seeds of the onset step, the last loss and the largest gradient norm; the mean clipped share."""
+    return (rows.groupby(["optimizer", "lr", "max_norm"])
+            .agg(runs=("seed", "size"), nan=("nan", "sum"), onset=("onset", "median"),
+                 last_loss=("last_loss", "median"), max_grad_norm=("max_grad_norm", "median"),
+                 clipped=("clipped", "mean"))
+            .reset_index())
+
+
+def sweep_claims(rows: pd.DataFrame) -> list[str]:
+    """The chapter's conclusions from a whole sweep, each checked on `rows` (stored or fresh):
+    the ones that fail. Medians over seeds, as the chapter states them."""
+    s = summary(rows).set_index(["optimizer", "lr", "max_norm"])
+    runs = lambda key: s.loc[key, "runs"]  # noqa: E731
+    claims = {
+        "unclipped SGD at lr 1 and 3 reaches NaN on every seed":
+            s.loc[("sgd", 1.0, 0.0), "nan"] == runs(("sgd", 1.0, 0.0))
+            and s.loc[("sgd", 3.0, 0.0), "nan"] == runs(("sgd", 3.0, 0.0)),
+        "no clipped run reaches NaN": (s.xs(1.0, level="max_norm").nan == 0).all(),
+        "clipping delays SGD's jump at lr 1":
+            s.loc[("sgd", 1.0, 1.0), "onset"] > s.loc[("sgd", 1.0, 0.0), "onset"],
+        "clipped SGD at lr 3 ends over 1 nat above lr 0.1":
+            s.loc[("sgd", 3.0, 1.0), "last_loss"] > s.loc[("sgd", 0.1, 1.0), "last_loss"] + 1,
+        "no AdamW run reaches NaN": s.xs("adamw").nan.sum() == 0,
+        "clipping changes AdamW's end at lr 3 by under 0.2 nats":
+            abs(s.loc[("adamw", 3.0, 0.0), "last_loss"]
+                - s.loc[("adamw", 3.0, 1.0), "last_loss"]) < 0.2,
+        "clipping does not delay AdamW's jump at lr 0.3":
+            s.loc[("adamw", 0.3, 1.0), "onset"] <= s.loc[("adamw", 0.3, 0.0), "onset"] + 1,
+    }
+    return [claim for claim, holds in claims.items() if not holds]
+
+
+def seed_spread(rows: pd.DataFrame) -> float:
+    """The pooled seed-to-seed standard deviation of the last loss, over the settings where no
+    seed reaches NaN: how far apart two samples of one setting land."""
+    finite = rows.groupby(["optimizer", "lr", "max_norm"]).filter(lambda g: not g.nan.any())
+    variances = finite.groupby(["optimizer", "lr", "max_norm"]).last_loss.var(ddof=1)
+    return math.sqrt(variances.mean())
 
 
 def check_sweep(stored: dict, fresh: dict) -> list[str]:
-    """What each fresh run (all of a regenerated sweep, or a few rows) must reproduce of the
-    stored sweep on any CPU, the chapter's assertions being about these:
-    - whether it reaches NaN; a diverging run at the same step to NAN_STEP_TOLERANCE;
-    - a smooth run (no jump, under half its steps clipped): its last loss to
-      SMOOTH_LOSS_TOLERANCE;
-    - a chaotic run (mostly clipped or jumping: on a Zen 4, clipped SGD at lr 1 ends at 3.4046
-      with AVX-512 kernels and 3.4243 with AVX2, 3.2888 stored from a Xeon): its last loss
-      within the stored seeds' range widened by two of their standard deviations.
+    """What a fresh sweep (all of it, or a few of its runs) must reproduce of the stored one on
+    any CPU. At these learning rates most runs are chaotic: regenerated on a Zen 4, unclipped
+    SGD at lr 0.1 ended at 3.34 nats (AVX-512 kernels) and 3.09 (AVX2) against 3.20 stored from
+    a Xeon, and unclipped SGD at lr 3 reached NaN after 55 steps instead of 11. A run on another
+    CPU is another sample of its setting, so:
+    - where every stored seed reaches NaN, or none does, so does the fresh run;
+    - where none does, its last loss lies within 3 pooled seed-to-seed standard deviations
+      (`seed_spread`, 0.15 nats in the stored sweep) of the stored run of its seed: the largest
+      difference measured across the two kernel sets was 0.23 nats;
+    - on a whole sweep, every one of the chapter's conclusions (`sweep_claims`) holds.
     Returns the problems found."""
     rows = pd.DataFrame(stored["rows"])
+    tolerance = 3 * seed_spread(rows)
     problems = []
     for f in fresh["rows"]:
         where = f"/rows/{f['optimizer']} lr {f['lr']:g} clip {f['max_norm']:g} seed {f['seed']}"
@@ -192,22 +228,18 @@ def check_sweep(stored: dict, fresh: dict) -> list[str]:
         mine = same[same.seed == f["seed"]]
         if mine.empty:
             problems.append(f"{where}: not in the stored sweep")
-            continue
-        s = mine.iloc[0]
-        if bool(s.nan) != bool(f["nan"]):
-            problems.append(f"{where}: reaches NaN stored {bool(s.nan)}, fresh {bool(f['nan'])}")
-        elif s.nan:
-            if abs(f["steps"] - s.steps) > NAN_STEP_TOLERANCE:
-                problems.append(f"{where}: NaN after {f['steps']} steps, stored {s.steps}")
-        elif _chaotic(s):
-            spread = 2 * same.last_loss.std(ddof=1) if len(same) > 1 else 0.0
-            lo, hi = same.last_loss.min() - spread, same.last_loss.max() + spread
-            if not lo <= f["last_loss"] <= hi:
-                problems.append(f"{where}: last loss {f['last_loss']:.4f} outside the stored "
-                                f"seeds' band {lo:.4f}-{hi:.4f}")
-        elif abs(f["last_loss"] - s.last_loss) > SMOOTH_LOSS_TOLERANCE:
-            problems.append(f"{where}: last loss {f['last_loss']:.4f}, stored "
-                            f"{s.last_loss:.4f}")
+        elif same.nan.all() or not same.nan.any():
+            agreed = bool(same.nan.iloc[0])
+            if bool(f["nan"]) != agreed:
+                problems.append(f"{where}: {'no ' if agreed else ''}NaN, but every stored seed "
+                                f"{'reaches' if agreed else 'stays clear of'} one")
+            elif not agreed and abs(f["last_loss"] - mine.last_loss.iloc[0]) > tolerance:
+                problems.append(f"{where}: last loss {f['last_loss']:.4f}, stored "
+                                f"{mine.last_loss.iloc[0]:.4f}: further apart than "
+                                f"{tolerance:.2f} (3 seed-to-seed standard deviations)")
+    fresh_rows = pd.DataFrame(fresh["rows"])
+    if len(fresh_rows) == len(rows):
+        problems += [f"/claims: no longer holds: {c}" for c in sweep_claims(fresh_rows)]
     return problems
 
 
