@@ -193,7 +193,7 @@ def test_the_sweep_check_fails_where_a_run_does_not_reproduce():
     smooth, nan, chaos = pick("adamw", 3e-3, 0.0), pick("sgd", 1.0, 0.0), pick("sgd", 1.0, 1.0)
     assert R.check_sweep(stored, {"rows": [smooth, nan, chaos]}) == []
     assert 0.1 < R.seed_spread(rows) < 0.2
-    bad = [{**smooth, "last_loss": smooth["last_loss"] + 0.5}, {**nan, "nan": False},
+    bad = [{**smooth, "last_loss": smooth["last_loss"] + 1}, {**nan, "nan": False},
            {**chaos, "nan": True}]
     assert len(R.check_sweep(stored, {"rows": bad})) == 3
     tamed = rows.copy()

@@ -213,13 +213,15 @@ def check_sweep(stored: dict, fresh: dict) -> list[str]:
     a Xeon, and unclipped SGD at lr 3 reached NaN after 55 steps instead of 11. A run on another
     CPU is another sample of its setting, so:
     - where every stored seed reaches NaN, or none does, so does the fresh run;
-    - where none does, its last loss lies within 3 pooled seed-to-seed standard deviations
-      (`seed_spread`, 0.15 nats in the stored sweep) of the stored run of its seed: the largest
-      difference measured across the two kernel sets was 0.23 nats;
+    - where none does, its last loss lies within 3 seed-to-seed standard deviations of the
+      stored run of its seed: its setting's own, or the pooled one (`seed_spread`, 0.15 nats in
+      the stored sweep) where that is larger. Measured on a Zen 4 against the Xeon's record:
+      0.23 nats at most with AVX2 kernels; with AVX-512 ones, 0.52 for clipped SGD at lr 3,
+      whose seeds spread by 0.35;
     - on a whole sweep, every one of the chapter's conclusions (`sweep_claims`) holds.
     Returns the problems found."""
     rows = pd.DataFrame(stored["rows"])
-    tolerance = 3 * seed_spread(rows)
+    pooled = seed_spread(rows)
     problems = []
     for f in fresh["rows"]:
         where = f"/rows/{f['optimizer']} lr {f['lr']:g} clip {f['max_norm']:g} seed {f['seed']}"
@@ -233,7 +235,10 @@ def check_sweep(stored: dict, fresh: dict) -> list[str]:
             if bool(f["nan"]) != agreed:
                 problems.append(f"{where}: {'no ' if agreed else ''}NaN, but every stored seed "
                                 f"{'reaches' if agreed else 'stays clear of'} one")
-            elif not agreed and abs(f["last_loss"] - mine.last_loss.iloc[0]) > tolerance:
+                continue
+            own = same.last_loss.std(ddof=1) if len(same) > 1 else 0.0
+            tolerance = 3 * max(pooled, own)
+            if not agreed and abs(f["last_loss"] - mine.last_loss.iloc[0]) > tolerance:
                 problems.append(f"{where}: last loss {f['last_loss']:.4f}, stored "
                                 f"{mine.last_loss.iloc[0]:.4f}: further apart than "
                                 f"{tolerance:.2f} (3 seed-to-seed standard deviations)")
