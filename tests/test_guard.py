@@ -159,7 +159,7 @@ def test_keep_last_prunes_old_and_incomplete_checkpoints(tmp_path, cache_dir):
                                                                 "step-000010.pt"]
     with pytest.raises(ValueError, match="keep must be >= 1"):
         prune_checkpoints(tmp_path, 0)
-    with pytest.raises(ValueError, match="keep_last and resume need ckpt_dir"):
+    with pytest.raises(ValueError, match="keep_last, resume and overwrite need ckpt_dir"):
         TrainConfig(keep_last=2)
     assert load_checkpoint(tmp_path / "step-000010.pt")["step"] == 10
 

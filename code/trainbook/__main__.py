@@ -6,7 +6,10 @@ Chapter: book/how-to-use; book/appendix/cli (every command's help, printed from 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -41,6 +44,22 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def os_error_line(e: OSError) -> str:
+    """An OSError as one line: what failed, on which path, and for a full disk how much room
+    is left there."""
+    where = f" {e.filename}" if e.filename else ""
+    line = f"{e.strerror or e}{':' if where else ''}{where}"
+    if e.errno == errno.ENOSPC and e.filename:
+        folder = Path(e.filename).parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        line += f" ({shutil.disk_usage(folder).free:,} bytes free there: free space, or write " \
+                "elsewhere)"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        line += " (not writable by this user, or a read-only file system: write elsewhere)"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -48,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `trainbook hardware | head -1`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 141  # 128 + SIGPIPE, what a shell reports for a command its pipe closed
+    except OSError as e:  # the file system said no mid-run: one line that says what and where
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: what the command printed so far is its summary
         print(f"interrupted: `{args.command}` stopped by Ctrl-C; the output above is what it "
               "finished (exit status 130)", file=sys.stderr)

@@ -114,6 +114,34 @@ class BPETokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
 
+    @property
+    def unk(self) -> tuple[str, int] | None:
+        """The model's unknown token and its id (WordLevel, WordPiece, a BPE with one), or None
+        (byte-level BPE encodes any text)."""
+        token = getattr(self._tok.model, "unk_token", None)
+        ident = self._tok.token_to_id(token) if token else None
+        return (token, ident) if ident is not None else None
+
+
+MAX_UNK_SHARE = 0.01  # a tokenizer made for this kind of text leaves almost nothing unknown
+
+
+def check_unknown_share(tokenizer: ByteTokenizer | BPETokenizer, ids: torch.Tensor,
+                        what: str = "the corpus") -> float:
+    """The share of `ids` that are the tokenizer's unknown token; a ValueError above
+    MAX_UNK_SHARE: a model trained on them learns to predict the unknown token, and its loss
+    looks excellent while it learns nothing of the text."""
+    unk = getattr(tokenizer, "unk", None)
+    if unk is None or not len(ids):
+        return 0.0
+    share = (ids == unk[1]).double().mean().item()
+    if share > MAX_UNK_SHARE:
+        raise ValueError(f"the tokenizer maps {share:.1%} of {what}'s tokens to its unknown token "
+                         f"{unk[0]!r} (at most {MAX_UNK_SHARE:.0%} is plausible): it was not made "
+                         "for this text; train one on it (python -m trainbook tokenizer train "
+                         "--input CORPUS --out tokenizer.json) or use --tokenizer bpe")
+    return share
+
 
 def make_tokenizer(kind: str = "bpe", vocab_size: int = 1024, corpus: str = "tinyshakespeare",
                    cache_dir: str | Path | None = None) -> ByteTokenizer | BPETokenizer:
@@ -184,8 +212,9 @@ def build_dataset(tokenizer: ByteTokenizer | BPETokenizer, seq_len: int,
     text = load_corpus(corpus)
     cut = int(len(text) * (1 - val_fraction))
     enc = lambda t: torch.tensor(tokenizer.encode(t), dtype=torch.long)  # noqa: E731
-    return Dataset(pack(enc(text[:cut]), seq_len), pack(enc(text[cut:]), seq_len), tokenizer,
-                   seq_len)
+    train_ids = enc(text[:cut])
+    check_unknown_share(tokenizer, train_ids)
+    return Dataset(pack(train_ids, seq_len), pack(enc(text[cut:]), seq_len), tokenizer, seq_len)
 
 
 class ShardedLoader:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 from pathlib import Path
 
@@ -94,6 +95,13 @@ def check_writable(path: str | None, option: str, folder: bool = False) -> None:
     if not parent.is_dir():
         raise ValueError(f"{option} {path}: {parent} is a file, not a folder; give a path "
                          "whose folders can be created")
+    # what this user may do there (a read-only mount says no too); root passes any mode bits
+    blocked = p if p.exists() and not os.access(p, os.W_OK) else \
+        (parent if not os.access(parent, os.W_OK | os.X_OK) else None)
+    if blocked is not None:
+        raise ValueError(f"{option} {path}: {blocked} is not writable by this user "
+                         f"(uid {os.getuid()}) or is on a read-only file system; give a path "
+                         "you can write to")
 
 
 def command_line(args: argparse.Namespace) -> str:

@@ -27,7 +27,8 @@ KINDS = {
     "deterministic": "same machine class: every value equal; another class: every value within "
                      "the stated tolerance",
     "chaotic": "a run the last bits decide (diverging, mostly clipped, long sampling): only what "
-               "the chapter asserts, checked by the record's `check`",
+               "the chapter asserts, checked by the record's `check`; without one, the "
+               "structure (the tests marked `records` compare a fresh run's first steps)",
     "measurement": "timings or process behaviour of the machine at hand: the structure, and what "
                    "the chapter asserts, checked by the record's `check`",
     "input": "a shipped sample or document, not a result: nothing regenerates it",
@@ -65,7 +66,8 @@ MOE_NAMES = ["dense, d_ff 128", "dense, d_ff 512", "MoE 8 x 64, top-2", "MoE 16 
 TRAINING = ("a training run: deterministic on one machine class; on another, fp32 kernels "
             "round differently, so values agree to the stated tolerance")
 SAMPLING = ("policies that sample their own data: a different last bit changes a sample and "
-            "everything after it, so only the chapter's conclusions are compared")
+            "everything after it; a regeneration is compared on its structure, and its tests "
+            "compare a fresh run's first steps and the chapter's conclusions")
 TIMING = "timings of this machine: the structure and the chapter's conclusions"
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -76,26 +77,51 @@ def save_checkpoint(path: str | Path, state: dict, checksum: bool = True) -> str
     return sink.sha256
 
 
-def _refuse_corrupt(path: Path, problems: list[str]) -> None:
-    bad = [p for p in problems if "no checksum recorded" not in p]  # old files: nothing to check
-    if not bad:
+UNVERIFIED = "no checksum recorded"  # checksum_problems' words for a file nothing vouches for
+
+
+UNVERIFIED_RULES = ("ignore", "warn", "refuse")
+
+
+def _refuse_corrupt(path: Path, problems: list[str], unverified_rule: str = "ignore") -> None:
+    """Raise CorruptCheckpoint for a file whose bytes changed, naming the checkpoint before it.
+    A file with no recorded checksum (a copy made without its SHA256SUMS, or a file from
+    elsewhere) has nothing to vouch for its bytes: `unverified_rule` says whether to load it
+    anyway ("ignore": any PyTorch checkpoint, for the tools), with a warning on stderr ("warn")
+    or not at all ("refuse": the trainer's resume)."""
+    if unverified_rule not in UNVERIFIED_RULES:
+        raise ValueError(f"unverified_rule must be one of {UNVERIFIED_RULES}, got "
+                         f"{unverified_rule!r}")
+    bad = [p for p in problems if UNVERIFIED not in p]
+    unverified = [p for p in problems if UNVERIFIED in p]
+    if bad:
+        step = _step_of(path)
+        older = [p for p in complete_checkpoints(path.parent)
+                 if step is not None and _step_of(p) < step]
+        fix = f"resume from the one before it (--resume-from {older[-1]})" if older else \
+            "there is no older checkpoint to fall back to"
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {'; '.join(bad)}. Do not load "
+                                f"it; {fix}, and check the storage")
+    if not unverified or unverified_rule == "ignore":
         return
-    step = _step_of(path)
-    older = [p for p in _complete(path.parent)
-             if step is not None and _step_of(p) < step]
-    fix = f"resume from the one before it (--resume-from {older[-1]})" if older else \
-        "there is no older checkpoint to fall back to"
-    raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {'; '.join(bad)}. Do not load it; "
-                            f"{fix}, and check the storage")
+    why = (f"checkpoint {path} has no recorded checksum ({SUMS} is missing or does not list it: "
+           "a copy made without it, or a file written elsewhere), so nothing vouches that its "
+           "bytes are the ones written")
+    if unverified_rule == "refuse":
+        raise CorruptCheckpoint(f"{why}; verify it another way, then resume with "
+                                "--allow-unverified")
+    print(f"warning: {why}; loading it as --allow-unverified asks", file=sys.stderr, flush=True)
 
 
-def load_checkpoint(path: str | Path, verify: bool = True) -> dict:
+def load_checkpoint(path: str | Path, verify: bool = True,
+                    unverified_rule: str = "ignore") -> dict:
     """Load with weights_only=True: a checkpoint cannot run code. With verify (default), first
     check the file's recorded sha256 (when there is one): a corrupt file raises
-    CorruptCheckpoint naming the previous checkpoint."""
+    CorruptCheckpoint naming the previous checkpoint; a file with none is loaded, warned about
+    or refused as `unverified_rule` says (the trainer's resume refuses it)."""
     path = Path(path)
     if verify and path.name != EXTRA:  # a DCP folder's extra state: load_sharded checks it
-        _refuse_corrupt(path, checksum_problems(path)[1])
+        _refuse_corrupt(path, checksum_problems(path)[1], unverified_rule)
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -115,7 +141,7 @@ def _step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _complete(ckpt_dir: Path) -> list[Path]:
+def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
     """The complete checkpoints of a directory (files and DCP folders), oldest first."""
     found = [p for p in Path(ckpt_dir).glob("step-*")
              if (p.suffix == ".pt" and p.is_file()) or is_sharded(p)]
@@ -124,7 +150,7 @@ def _complete(ckpt_dir: Path) -> list[Path]:
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The highest-step complete checkpoint in ckpt_dir (file or DCP folder), or None."""
-    found = _complete(Path(ckpt_dir))
+    found = complete_checkpoints(Path(ckpt_dir))
     return found[-1] if found else None
 
 
@@ -138,7 +164,7 @@ def prune_checkpoints(ckpt_dir: str | Path, keep: int) -> list[Path]:
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the newest checkpoint is never deleted), got {keep}")
     ckpt_dir = Path(ckpt_dir)
-    complete = _complete(ckpt_dir)
+    complete = complete_checkpoints(ckpt_dir)
     if not complete:
         return []
     newest = _step_of(complete[-1])
@@ -208,15 +234,32 @@ def save_sharded(path: str | Path, parts: list, optimizer: torch.optim.Optimizer
         dist.barrier()
 
 
-def load_sharded(path: str | Path, parts: list, optimizer: torch.optim.Optimizer) -> dict:
+def verify_sharded(path: str | Path, unverified_rule: str = "ignore") -> None:
+    """Check every file of a DCP folder against its SHA256SUMS before any of it is loaded: the
+    ranks split the files (each hashes every world-size-th), then share what they found, so
+    every rank refuses a corrupt checkpoint together and the folder is read once in all."""
+    path = Path(path)
+    names = sorted({p.name for p in path.iterdir() if p.is_file() and p.name != SUMS}
+                   | set(read_sums(path)))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems = checksum_problems(path, only=names[rank::world])[1]
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, problems)
+        problems = [p for found in every for p in found]
+    _refuse_corrupt(path, problems, unverified_rule)
+
+
+def load_sharded(path: str | Path, parts: list, optimizer: torch.optim.Optimizer,
+                 unverified_rule: str = "ignore") -> dict:
     """Load a DCP checkpoint into this layout's model parts and optimizer (resharding as
-    needed), after checking its metadata and extra state against the folder's SHA256SUMS
-    (`python -m trainbook ckpt verify` checks the shards too); returns the extra state."""
+    needed), after checking every file of it, shards included, against the folder's
+    SHA256SUMS (`verify_sharded`); returns the extra state."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
-    _refuse_corrupt(path, checksum_problems(path, only=[".metadata", EXTRA])[1])
+    verify_sharded(path, unverified_rule)
     one = as_one_module(parts)
     model_sd, optim_sd = get_state_dict(one, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
@@ -224,7 +267,7 @@ def load_sharded(path: str | Path, parts: list, optimizer: torch.optim.Optimizer
         dcp.load(state, checkpoint_id=str(path), no_dist=no_dist)
     set_state_dict(one, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    return load_checkpoint(path / EXTRA)
+    return torch.load(path / EXTRA, map_location="cpu", weights_only=True)
 
 
 def _local_rng() -> dict:

@@ -125,6 +125,11 @@ class TrainConfig:
                                    "for a copy of the state, not the write (one process, DDP)")
     resume: bool = _opt(False, "resume from the newest checkpoint in ckpt_dir, if there is one")
     resume_from: str | None = _opt(None, "resume from this checkpoint file")
+    overwrite: bool = _opt(False, "start a new run in a ckpt_dir that holds another run's "
+                                  "checkpoints: they are deleted when this run writes its first")
+    allow_unverified: bool = _opt(False, "resume from a checkpoint that has no recorded checksum "
+                                         "(SHA256SUMS), with a warning: nothing vouches for its "
+                                         "bytes")
     stop_after: int | None = _opt(None, "stop after this step, as if interrupted (for demos)")
     timeout_s: int = _opt(300, "torch.distributed collective timeout, seconds")
     dp_replicate: int = _opt(1, "data-parallel replicas: DDP, or with dp_shard > 1 HSDP's "
@@ -191,8 +196,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"stop_after must be >= 1 (or None), got {self.stop_after}")
-        if (self.ckpt_every or self.resume or self.keep_last) and not self.ckpt_dir:
-            raise ValueError("ckpt_every, keep_last and resume need ckpt_dir")
+        if (self.ckpt_every or self.resume or self.keep_last or self.overwrite) \
+                and not self.ckpt_dir:
+            raise ValueError("ckpt_every, keep_last, resume and overwrite need ckpt_dir")
+        if self.overwrite and (self.resume or self.resume_from):
+            raise ValueError("overwrite starts a new run in ckpt_dir and resume continues one: "
+                             "pass one of them")
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

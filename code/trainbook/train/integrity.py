@@ -170,7 +170,7 @@ DATA_ORDER = ("seed", "corpus", "tokenizer")
 OPERATIONAL = ("ckpt_dir", "ckpt_every", "keep_last", "resume", "resume_from", "stop_after",
                "timeout_s", "progress", "cache_dir", "log_every", "eval_every", "eval_batches",
                "monitor", "device", "layout", "dp_replicate", "dp_shard", "tp", "pp", "cp",
-               "pp_schedule", "recompute", "ckpt_async")
+               "pp_schedule", "recompute", "ckpt_async", "overwrite", "allow_unverified")
 
 
 def check_resume(state: dict, cfg: dict, data_sha256: str | None = None,
@@ -181,7 +181,12 @@ def check_resume(state: dict, cfg: dict, data_sha256: str | None = None,
     bytes changed); returns a note naming every other setting that changed, since from there
     on the run is not the uninterrupted one (a deliberate change is fine: it is logged)."""
     saved = state.get("train_config") or {}
+    # the corpus and tokenizer are compared by what they produce (the token blocks' digest)
+    # where both sides have it, not by how their paths are spelled
+    by_content = bool(data_sha256 and state.get("data_sha256"))
     for key in DATA_ORDER:
+        if by_content and key in ("corpus", "tokenizer"):
+            continue
         if key in saved and saved[key] != cfg.get(key):
             raise ValueError(f"{where} was trained with {key}={saved[key]!r}, this run has "
                              f"{key}={cfg.get(key)!r}: the data order would not continue where "
@@ -193,6 +198,7 @@ def check_resume(state: dict, cfg: dict, data_sha256: str | None = None,
                          "or tokenizer file changed since it was written; resume on the same "
                          "data, or train from scratch in another ckpt_dir")
     changed = [f"{k} {saved[k]!r} -> {cfg[k]!r}" for k in sorted(saved)
-               if k in cfg and k not in OPERATIONAL and saved[k] != cfg[k]]
+               if k in cfg and k not in OPERATIONAL and saved[k] != cfg[k]
+               and not (by_content and k in ("corpus", "tokenizer"))]
     return [f"resumed with changed settings ({'; '.join(changed)}): from here on the run is "
             "not the uninterrupted one"] if changed else []

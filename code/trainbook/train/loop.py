@@ -57,6 +57,7 @@ from .init import init_weights
 from .monitor import make_monitors
 from .objective import objective_batches, prepare_model
 from .optim import make_optimizer
+from .ownership import claim, identity, record_owner, take_over
 from .schedule import lr_at
 
 
@@ -136,6 +137,9 @@ def _run(cfg: TrainConfig, hooks: list[Hook], ddp: Distributed, guard: Guard) ->
     if device.type == "cuda":
         torch.cuda.set_device(device)
     log = print if ddp.is_main else (lambda *a, **k: None)
+    # before any work, on every rank: may this run write into ckpt_dir? (RUN.json: its owner)
+    doomed = claim(cfg.ckpt_dir, cfg.resume or bool(cfg.resume_from), cfg.overwrite) \
+        if cfg.ckpt_dir else []
 
     tokenizer = make_tokenizer(cfg.tokenizer, cfg.vocab_size, cfg.corpus, cfg.cache_dir)
     data = build_dataset(tokenizer, cfg.seq_len, cfg.corpus)
@@ -184,19 +188,24 @@ def _run(cfg: TrainConfig, hooks: list[Hook], ddp: Distributed, guard: Guard) ->
     optimizer = make_optimizer(torch.nn.ModuleList(engine.parts), cfg)
     loader = ShardedLoader(data.train, cfg.batch_size, dp_rank, lay.dp, cfg.seed)
     digest = data_digest(data.train) if cfg.ckpt_dir or cfg.resume_from else None
+    owner = identity(asdict(cfg), digest)
 
     start_step, history = 0, []
     resume_path = Path(cfg.resume_from) if cfg.resume_from else \
         (latest_checkpoint(cfg.ckpt_dir) if cfg.resume else None)
+    if cfg.resume and resume_path is None:
+        log(f"--resume: no checkpoint in {cfg.ckpt_dir} yet: starting at step 0")
+    # the trainer resumes only from a verified checkpoint, unless told otherwise
+    unverified = "warn" if cfg.allow_unverified else "refuse"
     if resume_path is not None:
         if is_sharded(resume_path):  # DCP: reshards into this layout (or one process)
-            state = load_sharded(resume_path, engine.parts, optimizer)
+            state = load_sharded(resume_path, engine.parts, optimizer, unverified)
         elif composed:
             raise ValueError(f"{resume_path} is a single-file checkpoint; a sharded layout "
                              "resumes from a DCP folder (step-NNNNNN/): resume it in one process "
                              "or with DDP, or start again")
         elif resume_path.is_file():
-            state = load_checkpoint(resume_path)
+            state = load_checkpoint(resume_path, unverified_rule=unverified)
         else:
             raise ValueError(f"no checkpoint at {resume_path}")
         notes = check_resume(state, asdict(cfg), digest, str(resume_path))
@@ -229,6 +238,14 @@ def _run(cfg: TrainConfig, hooks: list[Hook], ddp: Distributed, guard: Guard) ->
         if not cfg.ckpt_dir or saved[0] == step:
             return
         saved[0] = step
+        if doomed:  # --overwrite: the other run's checkpoints go now, before the first write
+            if ddp.is_main:
+                take_over(cfg.ckpt_dir, doomed)
+            if composed and dist.is_initialized():
+                dist.barrier()
+            doomed.clear()
+        if ddp.is_main:
+            record_owner(cfg.ckpt_dir, owner)
         extra = {"loader": loader.state_dict(), "rng": rng_state(), "step": step,
                  "history": history, "model_config": mcfg.to_dict(), "train_config": asdict(cfg),
                  "layout": lay.to_dict(), "data_sha256": digest}
@@ -308,7 +325,7 @@ def _run(cfg: TrainConfig, hooks: list[Hook], ddp: Distributed, guard: Guard) ->
     done = len(history)
     if stopped:
         log(f"stopped after step {done}: {stopped}")
-    if cfg.ckpt_dir and not cfg.ckpt_every:
+    if cfg.ckpt_dir:  # every run saves where it ended (a no-op if that step is saved)
         checkpoint(done)
     if writer:
         writer.wait()  # the last checkpoint is on disk before the run returns
