@@ -86,7 +86,8 @@ def test_checkpoint_resumes_under_another_layout(tmp_path):
     ckpt = tmp_path / "ckpt"
     torchrun(tmp_path, "first", dp_shard=2, tp=2, ckpt_dir=ckpt, stop_after=3)
     saved = sorted(p.name for p in ckpt.iterdir() if p.name != ".lock")  # the guard's lock
-    assert saved == ["step-000003"] and (ckpt / "step-000003" / ".metadata").is_file()
+    assert saved == ["RUN.json", "step-000003"]  # the folder's owner, and its one checkpoint
+    assert (ckpt / "step-000003" / ".metadata").is_file()
     second = torchrun(tmp_path, "second", pp=2, dp_shard=2, ckpt_dir=ckpt, resume=True)
     got = [r["loss"] for r in second["history"]]
     ref = reference(2)
