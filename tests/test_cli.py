@@ -222,3 +222,14 @@ def test_bad_counts_are_argparse_errors(argv, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err
     assert [line for line in err.splitlines() if "error:" in line] == [err.splitlines()[-1]]
+
+
+def test_help_keeps_the_example_commands_on_their_own_lines(capsys):
+    """argparse's default formatter reflowed each command's examples into one paragraph."""
+    from trainbook.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["records", "--help"])
+    out = capsys.readouterr().out
+    assert "\n  python -m trainbook records list " in out
+    assert "\n  python -m trainbook records regen clipping-divergence " in out

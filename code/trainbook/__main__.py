@@ -39,7 +39,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         description="Tools from trainbook, the executable LLM training handbook.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in COMMANDS.items():
-        p = sub.add_parser(name, help=module.HELP, description=module.__doc__)
+        # the docstring as written: its example commands keep their lines (argparse would
+        # reflow them into one paragraph and break names at hyphens)
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
     return parser
 
