@@ -323,6 +323,10 @@ def plant(runs: list[tuple[str, bool]], timeout_s: float = 2.0) -> list[dict]:
                 row["error"] = str(e)
             finally:
                 row["seconds"] = time.perf_counter() - t0
+                # neither rank tears the group down before the other has met its own error: on
+                # a busy machine the first to time out closed the connection, and its peer saw
+                # "connection closed" instead of its timeout (and no diagnosis)
+                dist.barrier()
                 dist.destroy_process_group(group)
         row["log"] = log[0]
         out.append(row)
