@@ -31,6 +31,7 @@ import torch
 
 from .. import hardware
 from ..launch import resolve_device
+from .provenance import cpu_model
 from .timing import CacheFlusher, Timer, default_flush_bytes
 
 TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
@@ -234,14 +235,7 @@ def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's model name (from /proc/cpuinfo where there is one)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {torch.get_num_threads()} threads"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads"
 
 
 def metadata(device: torch.device, dtype: str, command: str | None = None) -> dict:

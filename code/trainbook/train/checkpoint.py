@@ -43,6 +43,7 @@ from .integrity import (  # noqa: F401  (re-exported: the checkpoint API in one 
     OPERATIONAL,
     RATE_ENV,
     SUMS,
+    UNVERIFIED,
     CorruptCheckpoint,
     HashingWriter,
     _fsync_dir,
@@ -75,9 +76,6 @@ def save_checkpoint(path: str | Path, state: dict, checksum: bool = True) -> str
     if checksum:
         record_sums(path.parent, {path.name: sink.sha256})
     return sink.sha256
-
-
-UNVERIFIED = "no checksum recorded"  # checksum_problems' words for a file nothing vouches for
 
 
 UNVERIFIED_RULES = ("ignore", "warn", "refuse")

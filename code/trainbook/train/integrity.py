@@ -28,6 +28,7 @@ import torch
 
 SUMS = "SHA256SUMS"  # checksums of a directory's checkpoint files (sha256sum's format)
 RATE_ENV = "TRAINBOOK_CKPT_WRITE_MBPS"
+UNVERIFIED = "no checksum recorded"  # checksum_problems' words for a file nothing vouches for
 _CHUNK = 1 << 16  # bytes per write when the rate is capped: the file grows smoothly
 
 
@@ -139,7 +140,7 @@ def checksum_problems(path: str | Path, only: Iterable[str] | None = None) -> tu
     checked, problems = [], []
     for name in names:
         if name not in sums:
-            problems.append(f"{name}: no checksum recorded in {folder / SUMS} (a crash between "
+            problems.append(f"{name}: {UNVERIFIED} in {folder / SUMS} (a crash between "
                             "the write and its checksum, or a file written without one)")
             continue
         if not (folder / name).is_file():
